@@ -1,0 +1,191 @@
+"""What every mixing rule shares: the inbox it reads from and the rule interface.
+
+A mixing rule decides what to send and how to combine what arrives. It never
+touches a socket or a clock: the node gives it the flat parameters, the
+topology, its own index and the round; the driver moves the bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from gossip.compression import Codec, get_codec, get_decoder
+from gossip.message import Message, Packet
+
+__all__ = ["Inbox", "MixingRule", "MixReport", "all_finite", "decode_payload"]
+
+
+class Inbox:
+    """Messages received and not yet mixed, per sender index, in arrival order.
+
+    Each sender's queue is capped (``per_sender``): a peer racing ahead cannot
+    make a slow node hoard memory; the oldest message is evicted and counted.
+    """
+
+    def __init__(self, per_sender: int = 64) -> None:
+        self.per_sender = per_sender
+        self.queues: dict[int, deque[Message]] = {}
+        self.evicted = 0
+
+    def add(self, src: int, msg: Message) -> None:
+        q = self.queues.get(src)
+        if q is None:
+            q = self.queues[src] = deque()
+        if len(q) >= self.per_sender:
+            q.popleft()
+            self.evicted += 1
+        q.append(msg)
+
+    def has_round(self, src: int, rnd: int) -> bool:
+        q = self.queues.get(src)
+        if not q:
+            return False
+        if q[-1].round == rnd:  # the common case: the newest message is this round's
+            return True
+        return any(m.round == rnd for m in q)
+
+    def count_round(self, senders: Iterable[int], rnd: int) -> int:
+        """How many of ``senders`` have a message of round ``rnd`` waiting."""
+        return sum(1 for j in senders if self.has_round(j, rnd))
+
+    def take_round(self, src: int, rnd: int) -> tuple[Message | None, int]:
+        """Remove and return ``src``'s message of round ``rnd``; older ones are
+        discarded and counted (second value)."""
+        q = self.queues.get(src)
+        if not q:
+            return None, 0
+        found, stale = None, 0
+        keep: deque[Message] = deque()
+        for m in q:
+            if m.round < rnd:
+                stale += 1
+            elif m.round == rnd and found is None:
+                found = m
+            else:
+                keep.append(m)
+        self.queues[src] = keep
+        return found, stale
+
+    def take_upto(self, src: int, rnd: int) -> list[Message]:
+        """Remove and return every message of ``src`` with round <= ``rnd``."""
+        q = self.queues.get(src)
+        if not q:
+            return []
+        out = [m for m in q if m.round <= rnd]
+        if out:
+            self.queues[src] = deque(m for m in q if m.round > rnd)
+        return out
+
+    def take_all(self, src: int) -> list[Message]:
+        q = self.queues.pop(src, None)
+        return list(q) if q else []
+
+    def senders(self) -> list[int]:
+        return [s for s, q in self.queues.items() if q]
+
+    def drop_sender(self, src: int) -> None:
+        self.queues.pop(src, None)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+
+@dataclass
+class MixReport:
+    """What one mixing step did, for metrics: how many neighbours were mixed in,
+    how many expected ones were missing, and how many messages came too late."""
+
+    mixed: int = 0
+    missing: int = 0
+    late: int = 0
+    staleness: float = 0.0
+
+
+class MixingRule:
+    """Base class: subclasses implement :meth:`outgoing` and :meth:`mix`.
+
+    ``synchronous`` rules make the node wait (up to a timeout) until
+    :meth:`ready` says every expected message of the round is in.
+    """
+
+    name = "rule"
+    synchronous = True
+
+    def __init__(self, codec: Codec | str = "none") -> None:
+        self.codec = get_codec(codec) if isinstance(codec, str) else codec
+        self._round_key: int | None = None
+        self._round_topology: Any = None
+        self._round_me: int | None = None
+        self._round: tuple[dict[int, float], dict[int, float], list[int]] = ({}, {}, [])
+
+    def outgoing(self, x: torch.Tensor, topology: Any, me: int, rnd: int) -> list[tuple[int, Packet]]:
+        raise NotImplementedError
+
+    def ready(self, inbox: Inbox, topology: Any, me: int, rnd: int) -> bool:
+        """Whether every expected message of round ``rnd`` is in (synchronous rules wait for this)."""
+        for j in self.round_weights(topology, me, rnd)[2]:
+            if not inbox.has_round(j, rnd):
+                return False
+        return True
+
+    def mix(self, x: torch.Tensor, inbox: Inbox, topology: Any, me: int, rnd: int, progress: int) -> MixReport:
+        raise NotImplementedError
+
+    def round_weights(self, topology: Any, me: int, rnd: int) -> tuple[dict[int, float], dict[int, float], list[int]]:
+        """(in-weights, out-weights, expected senders) of node ``me`` in round ``rnd``.
+
+        Looked up once per round and reused by :meth:`outgoing`, :meth:`ready`
+        (asked after every delivery) and :meth:`mix`. Callers must not mutate them.
+        """
+        if self._round_key != rnd or self._round_topology is not topology or self._round_me != me:
+            ins = topology.in_weights(me, rnd)
+            self._round = (ins, topology.out_weights(me, rnd), [j for j in ins if j != me])
+            self._round_key, self._round_topology, self._round_me = rnd, topology, me
+        return self._round
+
+    def expected_senders(self, topology: Any, me: int, rnd: int) -> list[int]:
+        """In-neighbours whose round-``rnd`` message a synchronous rule waits for."""
+        return self.round_weights(topology, me, rnd)[2]
+
+    # Rules with state of their own (push-sum weight, CHOCO copies) persist it in checkpoints.
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def debiased(self, x: torch.Tensor) -> torch.Tensor:
+        """The model this node would evaluate (push-sum divides by its weight)."""
+        return x
+
+    def decode(self, msg: Message, like: torch.Tensor) -> torch.Tensor:
+        """The message's tensor in ``like``'s dtype and device (read-only: it may
+        alias the received buffer). Decoded once; the node may have done it already
+        while validating."""
+        if msg.tensor is None:
+            msg.tensor = decode_payload(msg, like)
+        return msg.tensor
+
+
+def decode_payload(msg: Message, like: torch.Tensor) -> torch.Tensor:
+    """Decode ``msg.data`` with the codec it names, as ``like``'s dtype and device."""
+    src = msg.data.source
+    if src is not None and src.dtype == like.dtype and src.device == like.device:
+        return src  # delivered in-process: the payload is the sender's snapshot itself
+    t = get_decoder(msg.data.codec).decode(msg.data, device=like.device, copy=False)
+    return t if t.dtype == like.dtype else t.to(like.dtype)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite.
+
+    One float64 reduction is non-finite iff some element is (float32 values
+    cannot overflow a float64 sum), and it is several times cheaper than
+    ``isfinite().all()`` on small vectors.
+    """
+    return math.isfinite(t.sum(dtype=torch.float64).item())

@@ -1,0 +1,1 @@
+"""How bytes move: the simulated network (virtual clock, link models) and ZeroMQ."""

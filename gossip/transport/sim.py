@@ -1,0 +1,155 @@
+"""Modelled links for the simulator: latency, bandwidth, jitter, loss, partitions.
+
+Each directed link (u, v) serialises its own messages: a message starts
+transmitting when the previous one on the same link has left, takes
+``bytes * 8 / bandwidth`` seconds to leave, then ``latency`` (+ jitter) to
+arrive. Links are classified "intra" or "inter" datacenter by the topology's
+``dc`` labels, and each class has its own :class:`LinkModel`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["LinkModel", "SimNetwork", "parse_link", "LAN", "WAN"]
+
+_UNITS_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_UNITS_RATE = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "b": 8.0, "kb": 8e3, "mb": 8e6, "gb": 8e9}
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """One class of link.
+
+    latency : one-way delay in seconds
+    bandwidth : bits per second
+    jitter : standard deviation of extra delay (seconds, half-normal)
+    loss : probability that a message is lost
+    """
+
+    latency: float = 100e-6
+    bandwidth: float = 10e9
+    jitter: float = 0.0
+    loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.latency >= 0 and math.isfinite(self.latency)):
+            raise ValueError(f"latency must be a finite number >= 0 seconds, got {self.latency!r}")
+        if not (self.bandwidth > 0):
+            raise ValueError(f"bandwidth must be > 0 bits/s, got {self.bandwidth!r}")
+        if not (self.jitter >= 0 and math.isfinite(self.jitter)):
+            raise ValueError(f"jitter must be a finite number >= 0 seconds, got {self.jitter!r}")
+        if not 0 <= self.loss < 1:
+            raise ValueError(f"loss must be a probability in [0, 1), got {self.loss!r}")
+
+    def transfer_time(self, nbytes: int) -> float:
+        """Seconds for ``nbytes`` to leave the sender on an idle link."""
+        return nbytes * 8.0 / self.bandwidth
+
+
+LAN = LinkModel(latency=100e-6, bandwidth=10e9)
+WAN = LinkModel(latency=50e-3, bandwidth=100e6)
+
+
+def _parse_quantity(key: str, text: str, units: dict[str, float]) -> float:
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z/]*)\s*", text)
+    if not m:
+        raise ValueError(f"link option {key}={text!r}: expected a number with a unit")
+    unit = m.group(2).lower().removesuffix("/s").removesuffix("ps")
+    try:
+        value = float(m.group(1))
+    except ValueError:
+        raise ValueError(f"link option {key}={text!r}: {m.group(1)!r} is not a number") from None
+    if unit == "":
+        return value
+    if unit not in units:
+        raise ValueError(f"link option {key}={text!r}: unknown unit {m.group(2)!r}; valid: {', '.join(units)}")
+    return value * units[unit]
+
+
+def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel:
+    """Parse ``latency=50ms,bandwidth=100Mbit,jitter=1ms,loss=0.01`` (or ``lan`` / ``wan``).
+
+    Unspecified fields keep ``base``'s values. Times take s/ms/us, rates
+    bit/kbit/Mbit/Gbit (per second).
+    """
+    if spec is None:
+        return base
+    if isinstance(spec, LinkModel):
+        return spec
+    s = spec.strip().lower()
+    if s in ("lan", ""):
+        return LAN
+    if s == "wan":
+        return WAN
+    fields = {"latency": base.latency, "bandwidth": base.bandwidth, "jitter": base.jitter, "loss": base.loss}
+    for item in s.split(","):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in fields:
+            raise ValueError(f"link spec {spec!r}: bad item {item!r}; valid keys: {', '.join(fields)} (key=value)")
+        if key in ("latency", "jitter"):
+            fields[key] = _parse_quantity(key, value, _UNITS_TIME)
+        elif key == "bandwidth":
+            fields[key] = _parse_quantity(key, value, _UNITS_RATE)
+        else:
+            fields[key] = _parse_quantity(key, value, {})
+    return LinkModel(**fields)
+
+
+class SimNetwork:
+    """The simulated network between ``n`` nodes.
+
+    Parameters
+    ----------
+    links : link model per link class ("intra", "inter")
+    link_class : function (u, v) -> class name
+    seed : seeds jitter and loss draws
+    """
+
+    def __init__(self, links: dict[str, LinkModel], link_class: Callable[[int, int], str], seed: int = 0) -> None:
+        self.links = dict(links)
+        self.link_class = link_class
+        self.rng = np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, 0x11E7]))
+        self.busy_until: dict[tuple[int, int], float] = {}
+        self._class_cache: dict[tuple[int, int], str] = {}
+        self.bytes_by_class: Counter[str] = Counter()
+        self.messages_by_class: Counter[str] = Counter()
+        self.lost = 0
+        self.cut: set[frozenset[int]] | None = None  # partition: groups that cannot talk
+        self._group: dict[int, int] = {}
+
+    def partition(self, groups: list[list[int]] | None) -> None:
+        """Split the network into groups that cannot reach each other (None heals it)."""
+        self._group = {} if groups is None else {node: g for g, nodes in enumerate(groups) for node in nodes}
+
+    def reachable(self, u: int, v: int) -> bool:
+        return not self._group or self._group.get(u, -1) == self._group.get(v, -1)
+
+    def transmit(self, u: int, v: int, nbytes: int, now: float) -> float | None:
+        """Send ``nbytes`` from u to v at time ``now``; returns the arrival time or
+        None if the message is lost. Bytes are counted as sent either way."""
+        pair = (u, v)
+        cls = self._class_cache.get(pair)
+        if cls is None:
+            cls = self._class_cache[pair] = self.link_class(u, v)
+        model = self.links.get(cls) or self.links["intra"]
+        self.bytes_by_class[cls] += nbytes
+        self.messages_by_class[cls] += 1
+        start = max(now, self.busy_until.get(pair, 0.0))
+        leave = start + nbytes * 8.0 / model.bandwidth
+        self.busy_until[pair] = leave
+        if not self.reachable(u, v) or (model.loss and self.rng.random() < model.loss):
+            self.lost += 1
+            return None
+        delay = model.latency
+        if model.jitter:
+            delay += abs(self.rng.normal(0.0, model.jitter))
+        return leave + delay
