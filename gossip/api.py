@@ -163,7 +163,7 @@ class _Recorder:
 
     def on_step(self, sim: Simulator) -> None:
         done = sim.steps_done
-        if done % (self.every * self.n) == 0 or done == self.cfg.steps * self.n:
+        if done % (self.every * self.n) == 0:
             if done != self.last_sample:
                 self.last_sample = done
                 rec = self.sample(sim)
@@ -223,7 +223,10 @@ class Simulation:
                 self._out, self._close = open(out, "w"), True
             self.bar = ProgressBar(cfg.steps, enabled=progress)
             self.recorder = _Recorder(cfg, self.task, self.nodes, self.network, self._out, self.bar, self.wall_start)
-            self.sim = Simulator(self.nodes, self.network, compute, seed=cfg.seed, on_step=self.recorder.on_step)
+            # the hook runs at every sample point, or once per mean step when a progress bar is drawn
+            every = self.recorder.every * cfg.nodes if not self.bar.enabled else cfg.nodes
+            self.sim = Simulator(self.nodes, self.network, compute, seed=cfg.seed, on_step=self.recorder.on_step,
+                                 step_every=every)
 
     @property
     def now(self) -> float:

@@ -158,30 +158,42 @@ class Node:
     # -- the program ------------------------------------------------------------------------
     def program(self) -> Generator[Action, float, None]:
         """Train for ``config.steps`` local steps, exchanging every ``config.period``."""
-        while self.step < self.config.steps:
+        cfg = self.config
+        while self.step < cfg.steps:
+            # compute: one optimizer step on local data
             self.local_step()
             self.now = yield COMPUTE
-            if self.step % self.config.period == 0:
-                yield from self.exchange()
+            if self.step % cfg.period:
+                continue
+            # exchange: send this round's packets ...
+            rnd = self.round
+            out = self.outgoing(rnd)
+            if out:
+                self.now = yield Send(out)
+            # ... wait for the neighbours' packets of the same round (synchronous rules) ...
+            if self.rule.synchronous and not self.ready_for(rnd):
+                self.waiting = True
+                self.now = yield Wait(cfg.timeout)
+                self.waiting = False
+            # ... and mix them in
+            self.mix(rnd)
 
-    def exchange(self) -> Generator[Action, float, None]:
-        """One gossip round: send, (wait,) mix."""
-        rnd = self.round
+    def outgoing(self, rnd: int) -> list[tuple[Any, Message]]:
+        """The rule's packets for round ``rnd``, stamped as messages to member ids."""
         packets = self.rule.outgoing(self.state.flat, self.topology, self.index, rnd)
-        if packets:
-            self.seq += 1
-            out, last_packet, msg = [], None, None
-            for j, p in packets:
-                if p is not last_packet:  # one message object per distinct packet, shared by its receivers
-                    msg = Message(STATE, self.id, rnd, self.step, self.seq, p.data, p.weight, p.extra,
-                                  self.fingerprint)
-                    last_packet = p
-                out.append((self.members[j], msg))
-            self.now = yield Send(out)
-        if self.rule.synchronous and not self.ready_for(rnd):
-            self.waiting = True
-            self.now = yield Wait(self.config.timeout)
-            self.waiting = False
+        if not packets:
+            return []
+        self.seq += 1
+        out, last_packet, msg = [], None, None
+        for j, p in packets:
+            if p is not last_packet:  # one message object per distinct packet, shared by its receivers
+                msg = Message(STATE, self.id, rnd, self.step, self.seq, p.data, p.weight, p.extra, self.fingerprint)
+                last_packet = p
+            out.append((self.members[j], msg))
+        return out
+
+    def mix(self, rnd: int) -> MixReport:
+        """Let the rule combine what arrived for round ``rnd``; advances the round."""
         report = self.rule.mix(self.state.flat, self.inbox, self.topology, self.index, rnd, self.step)
         t = self.mix_totals
         t.mixed += report.mixed
@@ -190,6 +202,7 @@ class Node:
         if report.missing:
             log.debug("node %s: round %d mixed without %d neighbour(s)", self.id, rnd, report.missing)
         self.round += 1
+        return report
 
     def local_step(self) -> float:
         """One optimizer step on the next local minibatch; returns the loss.

@@ -118,17 +118,19 @@ class Simulator:
     nodes : the nodes; node i must have id i and index i
     network : the modelled links
     compute : step-time model
-    on_step : called as ``on_step(sim)`` after every completed local step
-        (the simulator's observation hook: metrics, progress, churn)
+    on_step : called as ``on_step(sim)`` after every ``step_every``-th completed
+        local step (counted over all nodes): the observation hook for metrics,
+        progress and fault schedules
     """
 
     def __init__(self, nodes: Sequence[Node], network: SimNetwork, compute: ComputeModel, *, seed: int = 0,
-                 on_step: Callable[["Simulator"], None] | None = None) -> None:
+                 on_step: Callable[["Simulator"], None] | None = None, step_every: int = 1) -> None:
         self.nodes = list(nodes)
         self.network = network
         self.compute_time = compute.sampler(seed)
         self.measure = compute.kind == "measured"
         self.on_step = on_step
+        self.step_every = max(1, int(step_every))
         self.now = 0.0
         self.events: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
@@ -220,7 +222,7 @@ class Simulator:
             if kind == RESUME:
                 if data:  # a local step just completed
                     self.steps_done += 1
-                    if self.on_step is not None:
+                    if self.on_step is not None and self.steps_done % self.step_every == 0:
                         self.on_step(self)
                 self._advance(i)
             elif kind == DELIVER:

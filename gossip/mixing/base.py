@@ -59,6 +59,8 @@ class Inbox:
         q = self.queues.get(src)
         if not q:
             return None, 0
+        if q[0].round == rnd:  # the common case: in order, nothing stale
+            return q.popleft(), 0
         found, stale = None, 0
         keep: deque[Message] = deque()
         for m in q:
