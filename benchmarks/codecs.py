@@ -10,9 +10,16 @@ Prints a table (codec, wire MB, compression ratio, encode ms, decode ms,
 its (encode + decode) / memcpy ratio, plus ``memcpy_ms`` and ``targets_met``
 (fp16, bf16 and int8 within 4 memcpys, top-k within 20).
 
+Unless ``--no-accuracy`` is given, it then trains digits on an 8-node ring
+(``gossip-sim --nodes 8 --topology ring --task digits --compression C``, 200 steps,
+seed 0) once per codec with ``--algorithm gossip`` (plain D-PSGD uncompressed, CHOCO
+with every lossy codec) and once with ``--algorithm naive --compression topk:0.01``
+(compressed averaging without error feedback), and prints an accuracy-vs-bytes
+table; the JSON line carries those figures under ``"accuracy"``.
+
 Usage::
 
-    python benchmarks/codecs.py [--numel 16777216] [--repeat 5] [--device cpu]
+    python benchmarks/codecs.py [--numel 16777216] [--repeat 5] [--device cpu] [--no-accuracy]
 """
 
 from __future__ import annotations
@@ -37,6 +44,13 @@ SPECS = ["identity", "fp16", "bf16", "int8", "topk:0.01", "randk:0.01", "sign"]
 
 #: Largest allowed (encode + decode) / memcpy per codec spec.
 TARGETS = {"fp16": 4.0, "bf16": 4.0, "int8": 4.0, "topk:0.01": 20.0}
+
+#: (--algorithm, --compression, --gamma) of the accuracy-vs-bytes table. The last row is a
+#: control: CHOCO with gamma 1e-4 barely mixes, so it shows what replicas that (almost)
+#: never talk reach on the same data.
+ACCURACY_RUNS = [("gossip", "none", None), ("gossip", "fp16", None), ("gossip", "bf16", None),
+                 ("gossip", "int8", None), ("gossip", "topk:0.01", None), ("gossip", "randk:0.01", None),
+                 ("gossip", "sign", None), ("naive", "topk:0.01", None), ("choco", "topk:0.01", 1e-4)]
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
@@ -79,12 +93,46 @@ def throughput(numel: int, repeat: int, specs: list[str], device: torch.device) 
     return results
 
 
+def accuracy_vs_bytes(nodes: int, steps: int, seed: int) -> dict[str, dict[str, object]]:
+    """Train digits on a ring once per row of :data:`ACCURACY_RUNS`; print a table and
+    return ``{"ALGORITHM CODEC[ gamma=G]": figures}``."""
+    from gossip.api import Simulation
+
+    rows: dict[str, dict[str, object]] = {}
+    print(f"\n# digits, {nodes}-node ring, {steps} steps per node, seed {seed} (iid, lr 0.05)")
+    header = (f"{'--algorithm':<12} {'--compression':<14} {'rule':<7} {'gamma':>6} {'accuracy':>9} "
+              f"{'node acc':>9} {'consensus':>10} {'bytes_sent':>12} {'fewer bytes':>12}")
+    print(header)
+    print("-" * len(header))
+    for algorithm, codec, g in ACCURACY_RUNS:
+        sim = Simulation(nodes=nodes, topology="ring", task="digits", algorithm=algorithm, compression=codec,
+                         gamma=g, steps=steps, seed=seed, eval_every=steps)
+        rule = sim.nodes[0].rule
+        s = sim.run().result().summary
+        gamma = getattr(rule, "gamma", None)
+        name = "naive" if algorithm == "naive" else rule.name
+        row = {"rule": name, "gamma": gamma, "final_accuracy": round(s["final_accuracy"], 4),
+               "mean_node_accuracy": round(s["mean_node_accuracy"], 4),
+               "consensus_distance": round(s["consensus_distance"], 4), "bytes_sent": s["bytes_sent"]}
+        base = rows.get("gossip none", row)["bytes_sent"]
+        row["ratio"] = round(base / s["bytes_sent"], 2)
+        rows[f"{algorithm} {codec}" + ("" if g is None else f" gamma={g:g}")] = row
+        print(f"{algorithm:<12} {codec:<14} {name:<7} {'-' if gamma is None else f'{gamma:.3g}':>6} "
+              f"{row['final_accuracy']:>9.4f} {row['mean_node_accuracy']:>9.4f} {row['consensus_distance']:>10.3g} "
+              f"{row['bytes_sent']:>12} {row['ratio']:>11.2f}x", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=2**24, help="values per tensor (default 16777216)")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds; medians are reported (default 5)")
     parser.add_argument("--device", default="cpu", help="torch device to encode from and decode to (default cpu)")
     parser.add_argument("--codecs", default=",".join(SPECS), help="comma-separated codec specs")
+    parser.add_argument("--accuracy", action=argparse.BooleanOptionalAction, default=True,
+                        help="also train digits on an 8-node ring per codec (default: on)")
+    parser.add_argument("--steps", type=int, default=200, help="local steps of each training run (default 200)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the training runs (default 0)")
     args = parser.parse_args(argv)
     if args.numel < 1:
         parser.error(f"--numel must be positive, got {args.numel}")
@@ -115,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     checked = {spec: limit for spec, limit in TARGETS.items() if spec in summary}
     summary["memcpy_ms"] = round(memcpy_ms, 2)
     summary["targets_met"] = all(summary[spec] <= limit for spec, limit in checked.items())
+    if args.accuracy:
+        summary["accuracy"] = accuracy_vs_bytes(8, args.steps, args.seed)
     print(json.dumps(summary))
     return 0
 
