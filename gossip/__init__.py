@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "simulate", "Simulation", "SimConfig", "SimulationResult"]
+__all__ = ["__version__", "simulate", "Simulation", "SimConfig", "SimulationResult", "GossipNode"]
 
 
 def __getattr__(name: str):
@@ -18,4 +18,8 @@ def __getattr__(name: str):
         from gossip import api
 
         return getattr(api, name)
+    if name == "GossipNode":
+        from gossip.peer import GossipNode
+
+        return GossipNode
     raise AttributeError(f"module 'gossip' has no attribute {name!r}")

@@ -39,8 +39,9 @@ class SimConfig:
     # what is trained, by how many nodes, on which graph
     nodes: int = 8
     topology: Any = "ring"           # a spec string (see topologies.build) or a networkx graph
-    algorithm: str = "gossip"        # gossip | push-sum
+    algorithm: str = "gossip"        # gossip | choco | naive | push-sum (gossip + a lossy codec is CHOCO)
     compression: str = "none"        # codec spec (see gossip.compression)
+    gamma: float | str | None = None  # CHOCO step size in (0, 1]; None: the codec's default; "auto": tuned
     period: int = 1                  # local steps between exchanges
     task: Any = "synthetic"          # synthetic | digits | module:attr | a task object
     split: str = "iid"               # iid | dirichlet:ALPHA
@@ -73,6 +74,7 @@ class SimConfig:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         parse_split(self.split)
+        make_rule(self.algorithm, self.compression, gamma=self.gamma)  # a bad codec, gamma or pairing fails here
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
@@ -178,8 +180,9 @@ def build_nodes(cfg: SimConfig, task: Any, topology: Any) -> list[Node]:
     members = list(range(cfg.nodes))
     # in-process peers run this same node code and never send non-finite values
     node_cfg = NodeConfig(cfg.steps, cfg.period, float(cfg.timeout), check_payloads=False)
-    return [Node(i, members, topology, task, make_rule(cfg.algorithm, cfg.compression), node_cfg, seed=cfg.seed,
-                 split=cfg.split, device=cfg.device) for i in members]
+    return [Node(i, members, topology, task, make_rule(cfg.algorithm, cfg.compression, gamma=cfg.gamma,
+                                                       topology=topology),
+                 node_cfg, seed=cfg.seed, split=cfg.split, device=cfg.device) for i in members]
 
 
 class Simulation:

@@ -13,7 +13,7 @@ import math
 import sys
 from typing import Any, Sequence
 
-__all__ = ["sim_main", "build_sim_parser"]
+__all__ = ["sim_main", "build_sim_parser", "node_main", "build_node_parser"]
 
 EXIT_USAGE = 2
 
@@ -57,6 +57,18 @@ def _positive_float(name: str):
     return parse
 
 
+def _gamma(text: str) -> float | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gamma must be a number in (0, 1] or 'auto', got {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"--gamma must be in (0, 1], got {text}")
+    return v
+
+
 def add_training_args(p: argparse.ArgumentParser) -> None:
     """Options shared by gossip-sim and gossip-node."""
     from gossip.mixing import ALGORITHMS
@@ -66,9 +78,14 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                         "random-regular[:D], small-world[:K,P], hierarchical:S1,S2[,intra=..,inter=..], file:PATH "
                         "(default: ring)")
     p.add_argument("--algorithm", default="gossip", choices=ALGORITHMS,
-                   help="mixing rule: synchronous gossip (D-PSGD) or push-sum (SGP) (default: gossip)")
+                   help="mixing rule: synchronous gossip (D-PSGD; CHOCO when compressed), choco, naive "
+                        "(compressed averaging without error feedback, an ablation) or push-sum (SGP) "
+                        "(default: gossip)")
     p.add_argument("--compression", default="none", metavar="CODEC",
                    help="codec: none, fp16, bf16, int8[:BLOCK], topk:RATIO, randk:RATIO, sign (default: none)")
+    p.add_argument("--gamma", type=_gamma, default=None, metavar="G",
+                   help="CHOCO consensus step size in (0, 1], or 'auto' to tune it on the mixing matrix "
+                        "(default: the codec's own, e.g. 0.04 for topk:0.01)")
     p.add_argument("--period", type=_positive_int("--period"), default=1, metavar="K",
                    help="local steps between exchanges (default: 1)")
     p.add_argument("--task", default="synthetic", metavar="TASK",
@@ -137,8 +154,8 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = SimConfig(nodes=args.nodes, topology=args.topology, algorithm=args.algorithm,
-                        compression=args.compression, period=args.period, task=args.task, split=args.split,
-                        steps=args.steps, seed=args.seed, link=args.link, inter_link=args.inter_link,
+                        compression=args.compression, gamma=args.gamma, period=args.period, task=args.task,
+                        split=args.split, steps=args.steps, seed=args.seed, link=args.link, inter_link=args.inter_link,
                         compute=args.compute, slow=args.slow, timeout=args.timeout, eval_every=args.eval_every,
                         device=args.device)
         result = simulate(cfg, out=args.out, progress=args.progress)
@@ -155,6 +172,169 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
               f"consensus distance {s['consensus_distance']:.3g}, {s['bytes_sent'] / 1e6:.2f} MB sent, "
               f"{s['sim_time_s']:.2f} s simulated in {s['wall_time_s']:.2f} s")
     return 0
+
+
+# -- gossip-node ----------------------------------------------------------------------------
+
+NODE_FLAGS = {
+    # dest: (type for TOML values, help)
+    "listen": str, "advertise": str, "peers": str, "topology": str, "algorithm": str, "compression": str,
+    "period": int, "task": str, "split": str, "steps": int, "seed": int, "rank": int, "world_size": int,
+    "device": str, "dc": str, "timeout": float, "heartbeat": float, "dead_after": float, "settle": float,
+    "join_timeout": float, "join_margin": int, "grace": float, "checkpoint_dir": str, "checkpoint_every": int,
+    "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": float,
+    "threads": int,
+}
+
+
+def build_node_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gossip-node",
+        description="Run one masterless gossip training node. Start one per machine (or GPU); name any "
+                    "existing nodes with --peers. Options may also come from --config FILE.toml (flags win).")
+    p.add_argument("--config", metavar="FILE.toml", help="read options from a TOML file (keys as the long flags)")
+    p.add_argument("--listen", metavar="tcp://HOST:PORT", help="address to bind (required)")
+    p.add_argument("--advertise", metavar="HOST:PORT", help="address peers use to reach this node "
+                                                            "(default: the listen address)")
+    p.add_argument("--peers", metavar="HOST:PORT[,...]", help="some existing nodes to contact (any will do)")
+    add_training_args(p)
+    p.set_defaults(device="auto", timeout=5.0)  # real rounds: a few heartbeats, not the simulator's 30 s
+    p.add_argument("--rank", type=int, metavar="R", help="data shard index (with --world-size); default: this "
+                                                         "node's index in the sorted member list")
+    p.add_argument("--world-size", type=int, metavar="W", help="number of data shards (with --rank)")
+    p.add_argument("--dc", default="", metavar="NAME", help="datacenter label; links between labels are inter-DC")
+    p.add_argument("--heartbeat", type=_positive_float("--heartbeat"), default=0.5, metavar="SEC",
+                   help="ping interval (default: 0.5)")
+    p.add_argument("--dead-after", type=_positive_float("--dead-after"), default=3.0, metavar="SEC",
+                   help="silence before a member is declared dead (default: 3)")
+    p.add_argument("--settle", type=float, default=2.0, metavar="SEC",
+                   help="member set stable this long before a fresh cluster starts (default: 2)")
+    p.add_argument("--join-timeout", type=_positive_float("--join-timeout"), default=60.0, metavar="SEC",
+                   help="wait this long for peers before training alone (default: 60)")
+    p.add_argument("--join-margin", type=_nonneg_int("--join-margin"), default=20, metavar="ROUNDS",
+                   help="rounds between announcing a join and adopting it (default: 20)")
+    p.add_argument("--grace", type=float, default=10.0, metavar="SEC",
+                   help="a finished node keeps serving others this long at most (default: 10)")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here (atomic files)")
+    p.add_argument("--checkpoint-every", type=_nonneg_int("--checkpoint-every"), default=0, metavar="S",
+                   help="local steps between checkpoints (default: 0 = only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--log", metavar="FILE.jsonl", help="write metrics as JSON lines")
+    p.add_argument("--eval-every", type=_nonneg_int("--eval-every"), default=0, metavar="S",
+                   help="local steps between evaluations in --log (default: steps/10)")
+    p.add_argument("--max-message-mb", type=float, default=0.0, metavar="MB",
+                   help="largest message accepted (default: twice the model + 1 MiB)")
+    p.add_argument("--threads", type=_positive_int("--threads"), default=None, metavar="N",
+                   help="torch intra-op threads (default: torch's choice; use 1 when several nodes share a machine)")
+    return p
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    try:
+        import tomllib  # type: ignore[import-not-found]
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config {path}: {e}") from None
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = key.replace("-", "_")
+        if dest not in NODE_FLAGS or dest == "config":
+            raise ValueError(f"config {path}: unknown option {key!r}; valid: "
+                             + ", ".join(sorted(k.replace('_', '-') for k in NODE_FLAGS)))
+        want = NODE_FLAGS[dest]
+        if dest == "peers" and isinstance(value, list):
+            value = ",".join(map(str, value))
+        ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise ValueError(f"config {path}: option {key!r} must be {want.__name__}, got {value!r}")
+        out[dest] = value
+    return out
+
+
+def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Namespace]:
+    """Parse flags (and --config), returning (PeerConfig, namespace)."""
+    from gossip.peer import PeerConfig
+
+    parser = build_node_parser()
+    defaults = {a.dest: a.default for a in parser._actions if a.dest != "help"}
+    parser.set_defaults(**{k: None for k in defaults})  # to tell "given" from "defaulted"
+    args = parser.parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if v is not None and v is not False}
+    merged = dict(defaults)
+    if args.config:
+        merged.update(_load_toml(args.config))
+    merged.update(given)
+    if not merged.get("listen"):
+        raise ValueError("--listen tcp://HOST:PORT is required (flag or config file)")
+    peers = tuple(p.strip() for p in (merged.get("peers") or "").split(",") if p.strip())
+    options = {"gamma": merged["gamma"]} if merged.get("gamma") is not None else {}
+    cfg = PeerConfig(listen=merged["listen"], peers=peers, advertise=merged.get("advertise"),
+                     topology=merged["topology"], algorithm=merged["algorithm"], compression=merged["compression"],
+                     period=merged["period"], task=merged["task"], split=merged["split"], steps=merged["steps"],
+                     seed=merged["seed"], rank=merged.get("rank"), world_size=merged.get("world_size"),
+                     device=merged["device"], dc=merged["dc"], timeout=merged["timeout"],
+                     heartbeat=merged["heartbeat"], dead_after=merged["dead_after"], settle=merged["settle"],
+                     join_timeout=merged["join_timeout"], join_margin=merged["join_margin"], grace=merged["grace"],
+                     checkpoint_dir=merged.get("checkpoint_dir"), checkpoint_every=merged["checkpoint_every"],
+                     resume=bool(merged.get("resume")), log=merged.get("log"), eval_every=merged["eval_every"],
+                     max_message_mb=merged["max_message_mb"], options=options)
+    args.json = bool(merged.get("json"))
+    args.threads = merged.get("threads")
+    args.verbose = merged.get("verbose") or 0
+    return cfg, args
+
+
+def node_main(argv: Sequence[str] | None = None) -> int:
+    """``gossip-node``: train as one peer; exit 0 when done, 2 on bad input or when it cannot join."""
+    import signal
+
+    try:
+        cfg, args = node_config_from_args(argv)
+        setup_logging(args.verbose, cfg.node_id)
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        from gossip.peer import Peer, PeerError
+
+        peer = Peer(cfg)
+    except ValueError as e:
+        return _fail("gossip-node", str(e))
+
+    def stop(signum: int, frame: Any) -> None:
+        if peer.stop.is_set():  # a second signal: leave now
+            raise KeyboardInterrupt
+        logging.getLogger("gossip.node").warning("%s: signal %d: finishing the current step", cfg.node_id, signum)
+        peer.request_stop()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    from gossip.transport.zmq import BindError
+
+    try:
+        summary = peer.run()
+    except BindError as e:
+        return _fail("gossip-node", str(e))
+    except PeerError as e:
+        return _fail("gossip-node", str(e))
+    if args.json:
+        print(json.dumps(summary, default=_json_default), flush=True)
+    else:
+        print(f"{summary['node']}: {summary['steps']} steps, accuracy {summary.get('final_accuracy')}, "
+              f"neighbour distance {summary.get('neighbor_distance')}, {summary['bytes_sent'] / 1e6:.2f} MB sent")
+    return 0
+
+
+def main() -> int:  # pragma: no cover - ``python -m gossip.cli`` runs the simulator
+    return sim_main()
 
 
 if __name__ == "__main__":  # pragma: no cover

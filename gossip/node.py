@@ -114,19 +114,27 @@ class Node:
 
     def __init__(self, node_id: Any, members: Sequence[Any], topology: Any, task: Any, rule: MixingRule,
                  config: NodeConfig, *, seed: int = 0, split: Any = "iid", rank: int | None = None,
-                 world_size: int | None = None, device: torch.device | str = "cpu") -> None:
+                 world_size: int | None = None, device: torch.device | str = "cpu",
+                 model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.id = node_id
         self.task = task
         self.rule = rule
         self.config = config
         self.device = torch.device(device)
+        self.members: list[Any] = []
         self.set_members(members, topology)
-        rank = self.index if rank is None else rank
-        world_size = len(self.members) if world_size is None else world_size
-        self.model = init_model(task, seed, self.device)
+        if task is not None:
+            rank = self.index if rank is None else rank
+            world_size = len(self.members) if world_size is None else world_size
+            self.model = init_model(task, seed, self.device)
+            self.optimizer = task.optimizer(self.model.parameters())
+            self.stream = task.stream(rank, world_size, split, seed, self.device)
+        elif model is not None:
+            # the caller's own training loop: it steps its optimizer, we only mix
+            self.model, self.optimizer, self.stream = model, optimizer, None
+        else:
+            raise ValueError("a node needs a task, or a model for a training loop of your own")
         self.state = FlatState(self.model)
-        self.optimizer = task.optimizer(self.model.parameters())
-        self.stream = task.stream(rank, world_size, split, seed, self.device)
         self.inbox = Inbox()
         self.step = 0
         self.round = 0
@@ -136,19 +144,30 @@ class Node:
         self.loss_count = 0
         self.rejected: Counter[str] = Counter()
         self.nonfinite_steps = 0
+        self.last_from: dict[Any, Message] = {}  # member id -> its latest accepted message
         self.mix_totals = MixReport()
         self.waiting = False
         self.now = 0.0
-        self.on_state: Callable[[Message], None] | None = None
 
     # -- membership -------------------------------------------------------------------------
     def set_members(self, members: Sequence[Any], topology: Any) -> None:
-        """Adopt a member list (sorted identically on every node) and its topology."""
-        self.members = list(members)
-        self.index_of = {m: i for i, m in enumerate(self.members)}
-        if self.id not in self.index_of:
+        """Adopt a member list (ordered identically on every node) and its topology.
+
+        Call between rounds. Messages already received are re-keyed to the new
+        indices; those from nodes no longer members are dropped.
+        """
+        members = list(members)
+        index_of = {m: i for i, m in enumerate(members)}
+        if self.id not in index_of:
             raise ValueError(f"node {self.id!r} is not in its own member list")
-        self.index = self.index_of[self.id]
+        inbox = getattr(self, "inbox", None)
+        if inbox is not None and members != self.members:
+            old = inbox.queues
+            inbox.queues = {index_of[self.members[i]]: q for i, q in old.items() if self.members[i] in index_of}
+            self.rule.on_members_changed(self.members, members)
+        self.members = members
+        self.index_of = index_of
+        self.index = index_of[self.id]
         self.topology = topology
 
     @property
@@ -160,23 +179,23 @@ class Node:
         """Train for ``config.steps`` local steps, exchanging every ``config.period``."""
         cfg = self.config
         while self.step < cfg.steps:
-            # compute: one optimizer step on local data
-            self.local_step()
+            self.local_step()  # compute: one optimizer step on local data
             self.now = yield COMPUTE
-            if self.step % cfg.period:
-                continue
-            # exchange: send this round's packets ...
-            rnd = self.round
-            out = self.outgoing(rnd)
-            if out:
-                self.now = yield Send(out)
-            # ... wait for the neighbours' packets of the same round (synchronous rules) ...
-            if self.rule.synchronous and not self.ready_for(rnd):
-                self.waiting = True
-                self.now = yield Wait(cfg.timeout)
-                self.waiting = False
-            # ... and mix them in
-            self.mix(rnd)
+            if self.step % cfg.period == 0:
+                yield from self.exchange()
+
+    def exchange(self) -> Generator[Action, float, None]:
+        """One gossip round: send this round's packets, wait for the neighbours'
+        (synchronous rules), mix them in."""
+        rnd = self.round
+        out = self.outgoing(rnd)
+        if out:
+            self.now = yield Send(out)
+        if self.rule.synchronous and not self.ready_for(rnd):
+            self.waiting = True
+            self.now = yield Wait(self.config.timeout)
+            self.waiting = False
+        self.mix(rnd)
 
     def outgoing(self, rnd: int) -> list[tuple[Any, Message]]:
         """The rule's packets for round ``rnd``, stamped as messages to member ids."""
@@ -248,6 +267,7 @@ class Node:
             self.rejected[reason] += 1
             return False
         self.inbox.add(self.index_of[msg.sender], msg)
+        self.last_from[msg.sender] = msg
         return True
 
     def _check(self, msg: Message) -> str | None:
@@ -272,6 +292,18 @@ class Node:
             return "weight"
         return None
 
+    def neighbor_distance(self) -> float:
+        """Mean squared distance to the parameters last received from each current
+        neighbour (what a real node can measure of consensus); nan if none yet."""
+        models = self.rule.neighbor_models() if hasattr(self.rule, "neighbor_models") else None
+        if models is None:
+            models = {}
+            for sender, msg in self.last_from.items():
+                if sender in self.index_of and msg.data is not None:
+                    models[sender] = decode_payload(msg, self.state.flat)
+        dists = [float((self.state.flat.double() - t.double()).pow(2).sum()) for t in models.values()]
+        return sum(dists) / len(dists) if dists else math.nan
+
     # -- persistence ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume this node exactly (see :mod:`gossip.checkpoint`)."""
@@ -282,7 +314,7 @@ class Node:
             "round": self.round,
             "seq": self.seq,
             "flat": self.state.snapshot().cpu(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "rule": self.rule.state_dict(),
             "stream": self.stream.state_dict() if hasattr(self.stream, "state_dict") else None,
         }
@@ -292,9 +324,10 @@ class Node:
             raise ValueError(f"checkpoint is for model fingerprint {state.get('fingerprint')!r}, "
                              f"this node's model is {self.fingerprint!r}")
         self.state.load_(state["flat"].to(self.device))
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.rule.load_state_dict(state.get("rule") or {})
-        if state.get("stream") is not None and hasattr(self.stream, "load_state_dict"):
+        if state.get("stream") is not None and self.stream is not None and hasattr(self.stream, "load_state_dict"):
             self.stream.load_state_dict(state["stream"])
         self.step = int(state["step"])
         self.round = int(state["round"])

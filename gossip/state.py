@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FlatState", "model_fingerprint"]
+__all__ = ["FlatState", "model_fingerprint", "fingerprint_of"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,14 @@ def model_fingerprint(names_shapes_dtypes: list[tuple[str, tuple[int, ...], str]
     for name, shape, dtype in names_shapes_dtypes:
         h.update(f"{name}:{tuple(shape)}:{dtype};".encode())
     return h.hexdigest()[:16]
+
+
+def fingerprint_of(model: nn.Module, include_buffers: bool = True) -> str:
+    """The fingerprint :class:`FlatState` would give ``model``, without re-homing it."""
+    entries = list(_float_entries(model, include_buffers))
+    dtypes = {t.dtype for *_, t, _ in entries}
+    dtype = str(dtypes.pop()) if len(dtypes) == 1 else "mixed"
+    return model_fingerprint([(name, tuple(t.shape), dtype) for name, _, _, t, _ in entries])
 
 
 class FlatState:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from typing import Any, Callable
 
 import numpy as np
@@ -81,7 +83,7 @@ class ClassificationTask(Task):
     name = "classification"
 
     def __init__(self, train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torch.Tensor], *,
-                 hidden: tuple[int, ...] = (64,), lr: float = 0.05, momentum: float = 0.9,
+                 hidden: int | tuple[int, ...] = (64,), lr: float = 0.05, momentum: float = 0.9,
                  weight_decay: float = 0.0, batch_size: int = 32,
                  model_fn: Callable[[], nn.Module] | None = None) -> None:
         _check_positive("lr", lr)
@@ -91,7 +93,7 @@ class ClassificationTask(Task):
         self.X, self.y = train
         self.X_test, self.y_test = test
         self.num_classes = int(max(self.y.max(), self.y_test.max())) + 1
-        self.hidden = tuple(int(h) for h in hidden)
+        self.hidden = (int(hidden),) if isinstance(hidden, int) else tuple(int(h) for h in hidden)
         self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
         self.batch_size = int(batch_size)
         self.model_fn = model_fn
@@ -237,6 +239,27 @@ def check_task(task: Any, spec: str = "task") -> Any:
     return task
 
 
+def _import_from_cwd(name: str) -> Any:
+    """Import ``name``; if its top-level package is missing, try the current directory.
+
+    ``python -m gossip.cli`` puts the current directory on ``sys.path``, console
+    scripts such as ``gossip-sim`` do not; a task module next to the user
+    (``examples/``, ``my_task.py``) should be found either way. Only a missing
+    top-level package triggers the retry, never a missing dependency of the module.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if e.name != name.partition(".")[0] or "" in sys.path or cwd in sys.path:
+            raise
+        sys.path.insert(0, cwd)
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(cwd)
+
+
 def get_task(spec: str | Task) -> Task:
     """Resolve a task spec.
 
@@ -258,7 +281,7 @@ def get_task(spec: str | Task) -> Task:
     if not rest:
         raise ValueError(f"unknown task {spec!r}; valid: {', '.join(BUILTIN_TASKS)}, or module:attr")
     try:
-        module = importlib.import_module(name)
+        module = _import_from_cwd(name)
     except ImportError as e:
         raise ValueError(f"task {spec!r}: cannot import module {name!r} ({e})") from None
     obj = module

@@ -149,7 +149,7 @@ def decode(frames: Sequence[Any]) -> Message:
     if _buffer_len(raw) > MAX_HEADER:
         raise WireError("header", "header too large")
     try:
-        h = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_buffer_size=MAX_HEADER)
+        h = msgpack.unpackb(raw, raw=False, strict_map_key=True)  # size capped just above
     except Exception:  # msgpack raises several unrelated types on garbage
         raise WireError("header", "undecodable header") from None
     if not isinstance(h, dict):

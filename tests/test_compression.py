@@ -208,6 +208,16 @@ def test_topk_prefilter_matches_full_topk(fraction: float) -> None:
         check_topk(codec, x, enc, y)
 
 
+@pytest.mark.parametrize("n", [sparse._PREFILTER_MIN, 51_001, sparse._SAMPLE - 1])
+def test_topk_prefilter_between_the_two_thresholds(n: int) -> None:
+    # Sizes from _PREFILTER_MIN up to _SAMPLE take the sampled path with a stride below 2
+    # (a 51 001-parameter recommender once hit a zero stride here).
+    codec = TopKCodec(0.1)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    enc, y = roundtrip(codec, x)
+    check_topk(codec, x, enc, y)
+
+
 def test_topk_falls_back_when_the_sample_misleads(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     full = sparse._full_topk

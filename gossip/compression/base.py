@@ -82,9 +82,10 @@ class Encoded:
         produce flat, C-contiguous ``memoryview`` objects of format ``"B"``, so
         ``len(b) == memoryview(b).nbytes``.
     source : torch.Tensor or None
-        For zero-copy codecs, the tensor whose memory the buffers view. It never
-        travels: in-process delivery (the simulator) reads it instead of rebuilding
-        a tensor from the bytes; data decoded off the wire has none.
+        For zero-copy codecs, the tensor whose memory the buffers view; for others,
+        optionally the decoded values, when the sender decoded its own message (CHOCO
+        does). It never travels: in-process delivery (the simulator) reads it instead
+        of rebuilding a tensor from the bytes; data decoded off the wire has none.
     """
 
     codec: str

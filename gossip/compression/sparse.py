@@ -155,7 +155,7 @@ def _topk_index(x: torch.Tensor, k: int) -> torch.Tensor:
         return _full_topk(x, k)
     # Estimate a threshold t with count(|x| >= t) a little above k: take the j-th largest
     # of a strided sample, j = expected count * 1.25 plus a few standard deviations.
-    sample = x[:: n // _SAMPLE].abs().float()
+    sample = x[:: max(1, n // _SAMPLE)].abs().float()  # n may be below _SAMPLE (>= _PREFILTER_MIN)
     m = sample.numel()
     expected = m * k / n
     j = min(m, math.ceil(1.25 * expected + 4.0 * math.sqrt(expected) + 8))

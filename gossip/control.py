@@ -1,0 +1,266 @@
+"""The control plane of a real peer: discovery, member lists, heartbeats, goodbyes.
+
+It runs on the transport's I/O thread, so liveness never waits for a long
+training step. It answers ``hello`` with the member list, spreads member lists
+(``members``), sends ``ping`` heartbeats carrying status, round and a member
+digest, declares silent members dead, and announces joins: when a new node
+says hello to a training cluster, the first member to hear it schedules the
+round from which it takes part (far enough ahead that every member hears of it)
+and tells everyone.
+
+Every field of every control message is checked before use; a bad one is
+counted and logged once per peer and reason, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Any, Callable
+
+from gossip import wire
+from gossip.membership import Membership
+from gossip.message import Message
+
+__all__ = ["ControlPlane"]
+
+log = logging.getLogger("gossip.control")
+
+NODE_KINDS = frozenset({"state", "state-request", "state-reply"})  # handled by the node thread
+
+
+def _str_list(x: dict, key: str, limit: int = 4096, min_len: int = 1) -> list[str] | None:
+    v = x.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > limit or not all(
+            isinstance(e, str) and min_len <= len(e) <= 256 for e in v):
+        raise ValueError(key)
+    return v
+
+
+def _int_list(x: dict, key: str, n: int) -> list[int] | None:
+    v = x.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) != n or not all(isinstance(e, int) and not isinstance(e, bool)
+                                                         and 0 <= e < 2**63 for e in v):
+        raise ValueError(key)
+    return v
+
+
+class ControlPlane:
+    """Membership protocol of one peer (I/O thread side).
+
+    Parameters
+    ----------
+    node_id, incarnation, fingerprint, dc : who this node is
+    membership : the shared member table (guarded by ``lock``)
+    send : ``send(dst_id, Message)`` through the transport
+    to_node : hands node-thread messages (state, state requests and replies) over
+    progress : returns this node's (status, round, step)
+    heartbeat : seconds between pings
+    seeds : ``HOST:PORT`` ids to contact until they answer
+    """
+
+    def __init__(self, node_id: str, incarnation: int, fingerprint: str, dc: str, membership: Membership,
+                 lock: threading.RLock, send: Callable[[str, Message], None], to_node: Callable[[Message], None],
+                 progress: Callable[[], tuple[str, int, int]], *, heartbeat: float = 0.5,
+                 seeds: tuple[str, ...] = ()) -> None:
+        self.id, self.incarnation, self.fingerprint, self.dc = node_id, incarnation, fingerprint, dc
+        self.m = membership
+        self.lock = lock
+        self.send = send
+        self.to_node = to_node
+        self.progress = progress
+        self.heartbeat = heartbeat
+        self.seeds = {s: [0.0, heartbeat] for s in seeds if s != node_id}  # id -> [next try, backoff]
+        self.rejected: Counter[str] = Counter()
+        self.conflicts: dict[str, str] = {}  # peer -> why we refuse it (fingerprint, version)
+        self._logged: set[tuple[str, str]] = set()
+        self.digests: dict[str, str] = {}  # member -> the member digest it last reported
+        self.last_change = 0.0
+        self.last_ping = 0.0
+        self.now = 0.0
+
+    # -- helpers ---------------------------------------------------------------------------
+    def reject(self, peer: str, reason: str, detail: str = "") -> None:
+        self.rejected[reason] += 1
+        if (peer, reason) not in self._logged and len(self._logged) < 10_000:
+            self._logged.add((peer, reason))
+            log.warning("%s: rejected a message from %s: %s%s", self.id, peer[:64], reason,
+                        f" ({detail})" if detail else "")
+
+    def _message(self, kind: str, **extra: Any) -> Message:
+        status, rnd, step = self.progress()
+        x = {"inc": self.incarnation, "status": status, "dc": self.dc, **extra}
+        return Message(kind, self.id, rnd, step, 0, None, None, x, self.fingerprint)
+
+    def _members_message(self, kind: str = "members") -> Message:
+        with self.lock:
+            report = self.m.report()
+            x: dict[str, Any] = {"mids": [r[0] for r in report], "mincs": [r[1] for r in report],
+                                 "mdcs": [self.m.members[r[0]].dc for r in report]}
+            if self.m.base:
+                base = sorted(self.m.base)
+                joins = sorted(self.m.joins.items())
+                x.update(base=base, jids=[j for j, _ in joins], jrounds=[r for _, r in joins])
+        return self._message(kind, **x)
+
+    def broadcast(self, msg: Message) -> None:
+        with self.lock:
+            others = self.m.others()
+        for peer in others:
+            self.send(peer, msg)
+
+    # -- incoming --------------------------------------------------------------------------
+    def on_frames(self, ident: bytes, frames: list) -> None:
+        """Decode, check and dispatch one incoming multipart."""
+        peer = ident.decode(errors="replace")
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError as e:
+            if e.reason == "version":
+                self.conflicts.setdefault(peer, e.detail)
+            self.reject(peer, e.reason, e.detail)
+            return
+        if msg.sender != peer:
+            self.reject(peer, "sender-mismatch", f"header says {str(msg.sender)[:64]!r}")
+            return
+        if not isinstance(msg.sender, str):
+            self.reject(peer, "header", "sender id must be a string")
+            return
+        if msg.kind in NODE_KINDS:
+            with self.lock:
+                member = self.m.members.get(peer)
+                if member is not None:
+                    member.last_seen = self.now
+            self.to_node(msg)  # the node thread checks membership, fingerprint, payload
+            return
+        try:
+            self._control(msg)
+        except (ValueError, TypeError, KeyError) as e:
+            self.reject(peer, "control", f"bad field {e}")
+
+    def _control(self, msg: Message) -> None:
+        x, peer, now = msg.extra, msg.sender, self.now
+        inc = x.get("inc")
+        if not isinstance(inc, int) or isinstance(inc, bool) or inc < 0:
+            raise ValueError("inc")
+        status = x.get("status")
+        if status not in ("waiting", "training", "done"):
+            raise ValueError("status")
+        dc = x.get("dc", "")
+        if not isinstance(dc, str) or len(dc) > 64:
+            raise ValueError("dc")
+        if msg.kind == "bye":
+            with self.lock:
+                m = self.m.members.get(peer)
+                if m is not None and inc >= m.incarnation:
+                    reason = x.get("reason", "left")
+                    self.m.remove(peer, f"said goodbye ({str(reason)[:200]})", departed=True)
+                    self.last_change = now
+                if str(x.get("reason", "")).startswith("fingerprint"):
+                    self.conflicts[peer] = str(x["reason"])[:300]
+            self.seeds.pop(peer, None)
+            return
+        if msg.fingerprint != self.fingerprint:
+            why = (f"fingerprint mismatch: {peer} has model fingerprint {msg.fingerprint[:32]!r}, this node "
+                   f"{self.fingerprint!r}; refusing to mix with it")
+            self.conflicts[peer] = why
+            self.reject(peer, "fingerprint", why)
+            if msg.kind == "hello":
+                self.send(peer, self._message("bye", reason=why))
+            self.seeds.pop(peer, None)
+            return
+        self.seeds.pop(peer, None)  # it answered: stop retrying it as a seed
+        mids = _str_list(x, "mids")
+        mincs = _int_list(x, "mincs", len(mids)) if mids is not None else None
+        mdcs = _str_list(x, "mdcs", min_len=0) if mids is not None else None
+        base = _str_list(x, "base")
+        jids = _str_list(x, "jids")
+        jrounds = _int_list(x, "jrounds", len(jids)) if jids is not None else None
+        reply = None
+        with self.lock:
+            before = self.m.version
+            self.m.heard(peer, inc, now, status=status, round=msg.round, step=msg.progress, dc=dc,
+                         fingerprint=msg.fingerprint)
+            if mids is not None and mincs is not None:
+                self.m.merge(zip(mids, mincs), now)
+                if mdcs is not None and len(mdcs) == len(mids):
+                    for mid, mdc in zip(mids, mdcs):
+                        if mid in self.m.members and not self.m.members[mid].dc:
+                            self.m.members[mid].dc = mdc
+            if base is not None and not self.m.base and status in ("training", "done"):
+                self.m.start(b for b in base)  # we learn how the running cluster started
+            if jids is not None and jrounds is not None:
+                for j, r in zip(jids, jrounds):
+                    self.m.announce_join(j, r)
+            digest = x.get("digest")
+            if isinstance(digest, str):
+                self.digests[peer] = digest
+            new_member = self.m.version != before
+            my_status, my_round, _ = self.progress()
+            if new_member:
+                self.last_change = now
+            if msg.kind == "hello":
+                if my_status == "training" and self.m.base and peer not in self.m.base and peer not in self.m.joins:
+                    # a node joins a running cluster: everyone adopts it from the same future round
+                    eff = max(my_round, self.m.max_round()) + self.m.join_margin
+                    self.m.announce_join(peer, eff)
+                    log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
+                    new_member = True
+                reply = "members"
+        if reply:
+            self.send(peer, self._members_message())
+        if new_member:
+            self.broadcast(self._members_message())
+        elif msg.kind == "ping" and isinstance(x.get("digest"), str) and x["digest"] != self.m.digest():
+            self.send(peer, self._members_message())  # anti-entropy: it sees a different member set
+
+    # -- timers ----------------------------------------------------------------------------
+    def tick(self, now: float) -> list[str]:
+        """Heartbeats, seed retries and the failure detector; returns newly dead ids."""
+        self.now = now
+        for seed, state in list(self.seeds.items()):
+            if now >= state[0]:
+                if state[1] > self.heartbeat:
+                    log.warning("%s: peer %s does not answer; retrying in %.1f s", self.id, seed, state[1])
+                self.send(seed, self._members_message("hello"))
+                state[0] = now + state[1]
+                state[1] = min(state[1] * 2, 8.0)  # exponential backoff, capped
+        dead: list[str] = []
+        if now - self.last_ping >= self.heartbeat:
+            self.last_ping = now
+            with self.lock:
+                dead = self.m.expire(now)
+                digest = self.m.digest()
+            if dead:
+                self.last_change = now
+            self.broadcast(self._message("ping", digest=digest))
+        return dead
+
+    def hello_all(self, peers: list[str]) -> None:
+        for p in peers:
+            self.send(p, self._members_message("hello"))
+
+    def goodbye(self, reason: str) -> None:
+        self.broadcast(self._message("bye", reason=reason))
+
+    def settled(self, now: float, settle: float) -> tuple[bool, str]:
+        """Whether a fresh cluster may start: every known member waits for the start,
+        reports our member set, and the set has not changed for ``settle`` seconds.
+        The second value says what is still awaited (for the log)."""
+        with self.lock:
+            if now - self.last_change < settle:
+                return False, f"member set changed {now - self.last_change:.1f} s ago"
+            mine = self.m.digest()
+            for mid, member in self.m.members.items():
+                if mid == self.id:
+                    continue
+                if member.status != "waiting":
+                    return False, f"{mid} is {member.status}"
+                if self.digests.get(mid) != mine:
+                    return False, f"{mid} reports a different member set"
+            return True, ""

@@ -1,0 +1,228 @@
+"""Who is in the cluster, without a master.
+
+Every node keeps a member table. It learns members from ``hello`` and
+``members`` messages, treats any message as a heartbeat, and declares a member
+dead when it has been silent for ``dead_after`` seconds. The topology is built
+from the sorted list of member ids, so nodes that know the same members build
+the same graph; changes are adopted at round boundaries through *epochs*: a
+join is scheduled for a round far enough ahead that every member hears about
+it first, so synchronous rounds stay aligned. Deaths are adopted at once by
+whoever detects them (a neighbour that vanished cannot be waited for anyway).
+
+This module holds only the bookkeeping; the peer runtime moves the messages.
+Times come from the caller (``now``), never from a clock read here.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Iterable
+
+__all__ = ["Member", "Membership", "parse_address", "endpoint"]
+
+log = logging.getLogger("gossip.membership")
+
+_ADDR = re.compile(r"^(?:tcp://)?(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
+
+
+def parse_address(text: str, what: str = "address") -> str:
+    """Normalise ``HOST:PORT`` or ``tcp://HOST:PORT`` to ``HOST:PORT`` (the node id form)."""
+    m = _ADDR.match(text.strip())
+    if not m:
+        raise ValueError(f"{what} {text!r} is not HOST:PORT or tcp://HOST:PORT")
+    port = int(m.group(2))
+    if not 0 < port < 65536:
+        raise ValueError(f"{what} {text!r}: port must be in 1..65535")
+    return f"{m.group(1)}:{port}"
+
+
+def endpoint(node_id: str) -> str:
+    """The ZeroMQ endpoint of a node id."""
+    return f"tcp://{node_id}"
+
+
+@dataclass
+class Member:
+    """What a node knows about one member."""
+
+    id: str
+    incarnation: int          # changes when a node restarts: tells a new life from a stale report
+    last_seen: float          # when we last heard from it directly (any message)
+    status: str = "unknown"   # waiting | training | done
+    round: int = 0
+    step: int = 0
+    dc: str = ""
+    fingerprint: str = ""
+
+
+@dataclass
+class Membership:
+    """The member table of node ``self_id``.
+
+    Parameters
+    ----------
+    dead_after : silence (seconds) after which a member is declared dead
+    join_margin : rounds between announcing a join and adopting it
+    """
+
+    self_id: str
+    incarnation: int
+    fingerprint: str
+    dc: str = ""
+    dead_after: float = 3.0
+    join_margin: int = 20
+    members: dict[str, Member] = field(default_factory=dict)
+    dead: dict[str, int] = field(default_factory=dict)  # id -> incarnation declared dead
+    departed: dict[str, int] = field(default_factory=dict)  # id -> incarnation that said goodbye
+    version: int = 0
+    # who trains in which round: the members the cluster started with, plus
+    # announced joins (id -> first round it takes part in)
+    base: set[str] = field(default_factory=set)
+    joins: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.members[self.self_id] = Member(self.self_id, self.incarnation, 0.0, "waiting", dc=self.dc,
+                                            fingerprint=self.fingerprint)
+
+    # -- views ------------------------------------------------------------------------------
+    def ids(self) -> list[str]:
+        """Sorted ids of the members believed alive (self included)."""
+        return sorted(self.members)
+
+    def others(self) -> list[str]:
+        return [m for m in sorted(self.members) if m != self.self_id]
+
+    def digest(self) -> str:
+        """A string equal on nodes that agree on the member set."""
+        return ",".join(self.ids())
+
+    def order_key(self, mid: str) -> tuple[str, str]:
+        """Members are ordered by (datacenter, id): the same order on every node,
+        with each datacenter's members contiguous (hierarchical topologies)."""
+        m = self.members.get(mid)
+        return (m.dc if m else "", mid)
+
+    def any_training(self) -> bool:
+        return any(m.status in ("training", "done") for k, m in self.members.items() if k != self.self_id)
+
+    def max_round(self) -> int:
+        return max((m.round for m in self.members.values()), default=0)
+
+    # -- updates ----------------------------------------------------------------------------
+    def heard(self, sender: str, incarnation: int | None, now: float, *, status: str | None = None,
+              round: int | None = None, step: int | None = None, dc: str | None = None,
+              fingerprint: str | None = None) -> bool:
+        """Direct contact from ``sender``; returns True if the member set changed."""
+        changed = False
+        m = self.members.get(sender)
+        inc = incarnation if incarnation is not None else (m.incarnation if m else 0)
+        if m is None and self.departed.get(sender, -1) >= inc:
+            return False  # that life said goodbye; its last messages may still be in flight
+        if m is None or inc > m.incarnation:
+            if m is None:
+                if self.dead.get(sender, -1) >= inc:
+                    # declared dead, yet it speaks: it was only silent (a pause, a slow link).
+                    # Direct contact beats our guess; second-hand reports (merge) do not.
+                    log.warning("member %s is alive after all; re-admitting it", sender)
+                else:
+                    log.info("member %s joined (incarnation %d)", sender, inc)
+                changed = True
+            else:
+                log.info("member %s restarted (incarnation %d -> %d)", sender, m.incarnation, inc)
+                changed = True
+            m = self.members[sender] = Member(sender, inc, now)
+            self.dead.pop(sender, None)
+        elif inc < m.incarnation:
+            return False  # stale: from an older life of that node
+        m.last_seen = now
+        if status is not None:
+            m.status = status
+        if round is not None:
+            m.round = round
+        if step is not None:
+            m.step = step
+        if dc is not None:
+            m.dc = dc
+        if fingerprint is not None:
+            m.fingerprint = fingerprint
+        if changed:
+            self.version += 1
+        return changed
+
+    def merge(self, reported: Iterable[tuple[str, int]], now: float) -> bool:
+        """Add members another node reports (``(id, incarnation)`` pairs).
+
+        A reported member counts as heard ``now`` (its reporter heard it
+        recently); if it is really gone, our own detector removes it again.
+        """
+        changed = False
+        for mid, inc in reported:
+            if mid == self.self_id:
+                continue
+            m = self.members.get(mid)
+            if m is not None and inc <= m.incarnation:
+                continue
+            if self.dead.get(mid, -1) >= inc or self.departed.get(mid, -1) >= inc:
+                continue
+            self.members[mid] = Member(mid, inc, now)
+            self.dead.pop(mid, None)
+            log.info("member %s learned from a member list", mid)
+            changed = True
+        if changed:
+            self.version += 1
+        return changed
+
+    def remove(self, mid: str, reason: str, *, departed: bool = False) -> bool:
+        """Drop ``mid``; returns True if it was a member.
+
+        ``departed`` (it said goodbye) is final for that incarnation. Otherwise
+        (silence) it is our guess: direct contact from it re-admits it, while
+        second-hand member lists cannot.
+        """
+        m = self.members.pop(mid, None)
+        if m is None or mid == self.self_id:
+            if m is not None:
+                self.members[mid] = m
+            return False
+        (self.departed if departed else self.dead)[mid] = m.incarnation
+        self.base.discard(mid)
+        self.joins.pop(mid, None)  # a restarted life must be announced afresh
+        self.version += 1
+        log.warning("member %s removed: %s", mid, reason)
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        """Declare members silent for ``dead_after`` seconds dead; returns their ids."""
+        gone = [mid for mid, m in self.members.items()
+                if mid != self.self_id and now - m.last_seen > self.dead_after]
+        for mid in gone:
+            self.remove(mid, f"silent for more than {self.dead_after:g} s")
+        return gone
+
+    def report(self) -> list[list]:
+        """The member list as it travels: ``[[id, incarnation], ...]``."""
+        return [[mid, m.incarnation] for mid, m in sorted(self.members.items())]
+
+    # -- who trains in which round -------------------------------------------------------
+    def start(self, ids: Iterable[str]) -> None:
+        """The cluster starts training with members ``ids`` from round 0."""
+        self.base = set(ids)
+        self.version += 1
+
+    def announce_join(self, mid: str, round: int) -> bool:
+        """``mid`` takes part from ``round`` on; the earliest announcement wins
+        (every node keeps the same one once all have heard both)."""
+        old = self.joins.get(mid)
+        if mid in self.base or (old is not None and old <= round):
+            return False
+        self.joins[mid] = round
+        self.version += 1
+        return True
+
+    def at_round(self, rnd: int) -> list[str]:
+        """The ordered members that train in round ``rnd`` (alive ones only)."""
+        ids = [m for m in self.base if m in self.members]
+        ids += [m for m, r in self.joins.items() if r <= rnd and m in self.members and m not in self.base]
+        return sorted(ids, key=self.order_key)

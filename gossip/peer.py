@@ -1,0 +1,712 @@
+"""A real gossip node: the same :class:`~gossip.node.Node` program, driven by the
+wall clock over ZeroMQ.
+
+Lifecycle of ``Peer.run()``:
+
+1. bind the listen address (a clear :class:`~gossip.transport.zmq.BindError` if taken);
+2. discover: say hello to the ``--peers`` seeds (retrying with backoff) and
+   exchange member lists until either every known member waits for the start
+   and reports the same member set for ``settle`` seconds (a fresh cluster:
+   all start at round 0 with the same sorted member list), or some member is
+   already training (a late join: the cluster schedules the round we take part
+   from, we pull a full state from a member just before it, and start there);
+3. train: advance the node program; ``Send`` goes to the I/O thread, ``Wait``
+   polls for the round's messages up to the timeout (ending early if an
+   expected neighbour is declared dead); member changes are adopted at round
+   boundaries; optional checkpoints and JSON-lines metrics;
+4. finish: everyone trains the same number of local steps. A node that is done
+   keeps serving (heartbeats, state requests) until every other member is done
+   or ``grace`` seconds pass, then says goodbye so nobody waits for a timeout.
+
+SIGINT/SIGTERM (``request_stop``) end training after the current step, write a
+final checkpoint if configured, and say goodbye.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gossip import wire
+from gossip.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gossip.compression import get_codec
+from gossip.control import ControlPlane
+from gossip.membership import Membership, parse_address
+from gossip.message import Message
+from gossip.mixing import ALGORITHMS, make_rule
+from gossip.mixing.base import all_finite, decode_payload
+from gossip.node import Compute, Node, NodeConfig, Send, Wait, init_model
+from gossip.state import FlatState, fingerprint_of
+from gossip.tasks import get_task
+from gossip.transport.zmq import BindError, ZmqTransport
+
+__all__ = ["PeerConfig", "Peer", "PeerError", "GossipNode", "resolve_device"]
+
+log = logging.getLogger("gossip.peer")
+
+
+class PeerError(RuntimeError):
+    """The node cannot take part (e.g. every peer runs a different model)."""
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``; ValueError otherwise."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"unknown device {spec!r}; valid: auto, cpu, cuda, cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"unsupported device {spec!r}; valid: auto, cpu, cuda, cuda:N")
+    return dev
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Everything a real node needs; :mod:`gossip.cli` fills it from flags or a TOML file."""
+
+    listen: str                          # tcp://HOST:PORT (or HOST:PORT) to bind
+    peers: tuple[str, ...] = ()          # seeds HOST:PORT: any existing members
+    advertise: str | None = None         # HOST:PORT others reach us at (default: listen)
+    topology: str = "ring"
+    algorithm: str = "gossip"
+    compression: str = "none"
+    period: int = 1
+    task: Any = "synthetic"
+    split: str = "iid"
+    steps: int = 200
+    seed: int = 0
+    rank: int | None = None              # explicit data shard; default: index in the sorted member list
+    world_size: int | None = None
+    device: str = "auto"
+    dc: str = ""                         # datacenter label (links between different labels are "inter")
+    timeout: float = 5.0                 # synchronous round timeout (s)
+    heartbeat: float = 0.5               # ping interval (s)
+    dead_after: float = 3.0              # silence before a member is declared dead (s)
+    settle: float = 2.0                  # member set stable this long before a fresh start (s)
+    join_timeout: float = 60.0           # give up waiting for peers after this long (s)
+    join_margin: int = 20                # rounds between announcing a join and adopting it
+    grace: float = 10.0                  # how long a finished node keeps serving (s)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0            # local steps between checkpoints (0: only at the end)
+    resume: bool = False
+    log: str | None = None               # JSON-lines metrics file
+    eval_every: int = 0                  # local steps between evaluations in the metrics log (0: steps/10)
+    max_message_mb: float = 0.0          # incoming size cap in MiB (0: twice the model + 1 MiB)
+    options: dict = field(default_factory=dict)  # extra mixing-rule options (e.g. gamma)
+
+    def __post_init__(self) -> None:
+        parse_address(self.listen, "--listen")
+        if self.advertise is not None:
+            parse_address(self.advertise, "--advertise")
+        for p in self.peers:
+            parse_address(p, "--peers entry")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+        get_codec(self.compression)
+        for name in ("period",):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("steps", "checkpoint_every", "eval_every", "join_margin"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        for name in ("timeout", "heartbeat", "dead_after", "join_timeout"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        for name in ("settle", "grace", "max_message_mb"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if (self.rank is None) != (self.world_size is None):
+            raise ValueError("--rank and --world-size go together")
+        if self.world_size is not None:
+            if not (isinstance(self.world_size, int) and self.world_size >= 1):
+                raise ValueError(f"world_size must be a positive integer, got {self.world_size!r}")
+            if not (isinstance(self.rank, int) and 0 <= self.rank < self.world_size):
+                raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank!r}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir")
+        if not isinstance(self.dc, str) or len(self.dc) > 64:
+            raise ValueError("dc must be a short string")
+        from gossip.data import parse_split
+        from topologies import SPEC_NAMES
+
+        parse_split(self.split)
+        name = self.topology.split(":", 1)[0].strip().lower().replace("_", "-") if isinstance(self.topology, str) else ""
+        if isinstance(self.topology, str) and name not in SPEC_NAMES:
+            raise ValueError(f"unknown topology {self.topology!r}; valid: {', '.join(SPEC_NAMES)}")
+
+    @property
+    def node_id(self) -> str:
+        listen = parse_address(self.listen, "--listen")
+        node_id = parse_address(self.advertise, "--advertise") if self.advertise else listen
+        if node_id.split(":")[0] in ("0.0.0.0", "*", "[::]"):
+            raise ValueError(f"listening on {listen} needs --advertise HOST:PORT (the address peers can reach)")
+        return node_id
+
+
+class Peer:
+    """One real node. ``Peer(cfg).run()`` returns the final summary dict."""
+
+    def __init__(self, config: PeerConfig, task: Any = None, *, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.cfg = config
+        self.id = config.node_id
+        self.incarnation = time.time_ns() // 1000
+        self.clock = time.monotonic
+        self.t0 = self.clock()
+        self.user_model, self.user_optimizer = model, optimizer
+        if model is not None:  # a training loop of the caller's own (GossipNode)
+            self.task = None
+            self.device = next(model.parameters()).device
+            self.fingerprint = fingerprint_of(model)
+            self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        else:
+            self.task = get_task(config.task if task is None else task)
+            self.device = resolve_device(config.device)
+            # the model fingerprint is needed before the node exists (hello carries it)
+            probe_model = init_model(self.task, config.seed, "cpu")
+            probe = FlatState(probe_model)
+            self.fingerprint = probe.fingerprint
+            self.model_bytes = probe.nbytes
+            # The first optimizer makes torch import its compiler stack (seconds on a busy
+            # machine): pay that now, before peers can be kept waiting for us to start.
+            self.task.optimizer(probe_model.parameters())
+            del probe, probe_model
+        self.status = "waiting"
+        self.node: Node | None = None
+        self.lock = threading.RLock()
+        self.membership = Membership(self.id, self.incarnation, self.fingerprint, config.dc,
+                                     dead_after=config.dead_after, join_margin=config.join_margin)
+        self.inbound: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.interrupted = False
+        self.joined = False
+        self.state_from: str | None = None
+        self.resumed_from: str | None = None
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        self.node_rejected: Counter[str] = Counter()
+        self._topologies: dict[tuple, Any] = {}
+        self._state_replies: list[Message] = []
+        self._early: list[Message] = []  # state messages that arrived before our node existed
+        self._metrics = None
+        cap = config.max_message_mb * 2**20 if config.max_message_mb else 2 * self.model_bytes + 2**20
+        self.control = ControlPlane(self.id, self.incarnation, self.fingerprint, config.dc, self.membership,
+                                    self.lock, self._send_message, self.inbound.put, self._progress,
+                                    heartbeat=config.heartbeat, seeds=tuple(parse_address(p) for p in config.peers))
+        listen = "tcp://" + parse_address(config.listen, "--listen")
+        self.transport = ZmqTransport(self.id, listen, on_frames=self.control.on_frames, on_tick=self._tick,
+                                      tick=min(0.1, config.heartbeat / 2), max_message_size=int(cap))
+
+    # -- shared with the I/O thread --------------------------------------------------------
+    def _progress(self) -> tuple[str, int, int]:
+        node = self.node
+        return self.status, (node.round if node else 0), (node.step if node else 0)
+
+    def _send_message(self, dst: str, msg: Message) -> None:
+        self.transport.send(dst, wire.encode(msg))
+
+    def _tick(self, now: float) -> None:
+        dead = self.control.tick(now)
+        for d in dead:
+            self.transport.forget(d)
+
+    def request_stop(self) -> None:
+        """Stop after the current step (signal handlers call this)."""
+        self.interrupted = True
+        self.stop.set()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Discover, train the task, finish; returns the summary (see :meth:`summary`)."""
+        try:
+            if self.start():
+                self.train()
+                self.finish()
+            return self.summary()
+        finally:
+            self.close()
+
+    def start(self) -> bool:
+        """Bind, find the cluster and build the node; False if stopped before starting.
+
+        Raises :class:`~gossip.transport.zmq.BindError` if the address is taken and
+        :class:`PeerError` if no peer will mix with us.
+        """
+        self.transport.start()
+        log.info("%s: listening (incarnation %d, model %s)", self.id, self.incarnation, self.fingerprint)
+        if self.cfg.log:
+            Path(self.cfg.log).parent.mkdir(parents=True, exist_ok=True)
+            self._metrics = open(self.cfg.log, "w")
+        mode = self._discover()
+        if mode is None:
+            return False
+        self._start(mode)
+        return True
+
+    def close(self) -> None:
+        """Say goodbye and release the sockets (idempotent)."""
+        if self.transport._thread is not None:
+            self.control.goodbye("done" if not self.interrupted else "stopped")
+            time.sleep(0.05)  # let the I/O thread flush the goodbye
+            self.transport.close()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+    def _discover(self) -> str | None:
+        """Wait until we can start; returns "fresh", "member" or "join" (None if stopped)."""
+        cfg, start = self.cfg, self.clock()
+        seeds = [parse_address(p) for p in cfg.peers]
+        self.control.hello_all([s for s in seeds if s != self.id])
+        warned = False
+        last_note = start
+        while not self.stop.is_set():
+            self._service(0.05)
+            now = self.clock()
+            with self.lock:
+                others = self.membership.others()
+                running = [m for m in others if self.membership.members[m].status in ("training", "done")]
+                in_base = self.id in self.membership.base
+            if running:
+                return "member" if in_base else "join"
+            if others:
+                ok, why = self.control.settled(now, cfg.settle)
+                if ok:
+                    return "fresh"
+                if now - last_note >= 2.0:
+                    last_note = now
+                    log.info("%s: waiting to start with %d member(s): %s", self.id, len(others) + 1, why)
+            if not others and not seeds and now - start >= cfg.settle:
+                return "fresh"  # nobody to wait for: the first node of a cluster
+            if not others and now - start >= cfg.join_timeout:
+                if self.control.conflicts:
+                    raise PeerError("; ".join(sorted(set(self.control.conflicts.values()))))
+                log.warning("%s: no peer answered within %.0f s; training alone (late peers will join)",
+                            self.id, cfg.join_timeout)
+                return "fresh"
+            if not others and self.control.conflicts and not warned:
+                warned = True
+                log.error("%s: %s", self.id, "; ".join(sorted(set(self.control.conflicts.values()))))
+        return None
+
+    def _start(self, mode: str) -> None:
+        cfg = self.cfg
+        with self.lock:
+            if mode == "fresh":
+                self.membership.start(self.membership.ids())
+            start_round = 0
+            if mode == "join":
+                start_round = self._await_join_round()
+            members = self.membership.at_round(start_round)
+            if self.id not in members:
+                members = sorted([*members, self.id], key=self.membership.order_key)
+        rank, world = (cfg.rank, cfg.world_size) if cfg.world_size is not None else (members.index(self.id),
+                                                                                     len(members))
+        rule = make_rule(cfg.algorithm, cfg.compression, **cfg.options)
+        node_cfg = NodeConfig(cfg.steps, cfg.period, float(cfg.timeout), check_payloads=True)
+        self.rank, self.world_size = rank, world
+        self.node = Node(self.id, members, self._topology_for(members), self.task, rule, node_cfg, seed=cfg.seed,
+                         split=cfg.split, rank=rank, world_size=world, device=self.device, model=self.user_model,
+                         optimizer=self.user_optimizer)
+        if mode == "join":
+            self.joined = True
+            self._pull_state(start_round)
+        if cfg.resume:
+            self._resume()
+        self.status = "training"
+        if mode == "fresh":
+            # tell everyone whom we started with: a member that has not noticed the
+            # settle yet then starts as one of us instead of asking to join
+            self.control.broadcast(self.control._members_message())
+        early, self._early = self._early, []
+        for msg in early:
+            self._handle(msg)
+        log.info("%s: training as %d of %d (%s start, round %d, step %d)", self.id, rank, world, mode,
+                 self.node.round, self.node.step)
+
+    def _await_join_round(self) -> int:
+        """The round the cluster scheduled for us (it answers our hello with it)."""
+        deadline = self.clock() + max(self.cfg.join_timeout, 5 * self.cfg.heartbeat)
+        while self.clock() < deadline and not self.stop.is_set():
+            if self.id in self.membership.joins:
+                return self.membership.joins[self.id]
+            self.lock.release()
+            try:
+                self.control.hello_all(self.membership.others()[:3])
+                self._service(self.cfg.heartbeat)
+            finally:
+                self.lock.acquire()
+        raise PeerError("the running cluster did not schedule our join (no answer to hello)")
+
+    def _pull_state(self, start_round: int) -> None:
+        """Wait until the cluster reaches our first round, then copy a member's state."""
+        node, cfg = self.node, self.cfg
+        assert node is not None
+        while not self.stop.is_set():
+            with self.lock:
+                rounds = [m.round for k, m in self.membership.members.items() if k != self.id]
+            if not rounds or max(rounds) >= start_round - 1:
+                break
+            self._service(cfg.heartbeat / 2)
+        for attempt in range(6):
+            donors = [j for j in node.topology.in_weights(node.index, start_round) if j != node.index]
+            candidates = [node.members[j] for j in donors] or [m for m in node.members if m != self.id]
+            if not candidates:
+                break
+            donor = candidates[attempt % len(candidates)]
+            self._send_message(donor, Message("state-request", self.id, start_round, 0, 0, None, None,
+                                              {"inc": self.incarnation}, self.fingerprint))
+            deadline = self.clock() + max(2.0, cfg.timeout)
+            while self.clock() < deadline and not self._state_replies:
+                self._service(0.05)
+            for reply in self._state_replies:
+                if reply.sender == donor and reply.data is not None and reply.data.numel == node.state.numel:
+                    values = decode_payload(reply, node.state.flat)
+                    if all_finite(values):
+                        node.state.load_(values)
+                        node.step = start_round * cfg.period
+                        node.round = start_round
+                        if reply.weight is not None and hasattr(node.rule, "weight"):
+                            node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
+                        self.state_from = donor
+                        log.info("%s: took the state of %s (its step %d); joining at round %d", self.id, donor,
+                                 reply.progress, start_round)
+                        self._state_replies.clear()
+                        return
+            self._state_replies.clear()
+            log.warning("%s: no state from %s yet; asking another member", self.id, donor)
+        node.step = start_round * cfg.period
+        node.round = start_round
+        log.warning("%s: no member sent its state; joining with a fresh model", self.id)
+
+    def _resume(self) -> None:
+        node, cfg = self.node, self.cfg
+        assert node is not None and cfg.checkpoint_dir
+        path = latest_checkpoint(cfg.checkpoint_dir)
+        if path is None:
+            log.info("%s: --resume: no checkpoint in %s, starting fresh", self.id, cfg.checkpoint_dir)
+            return
+        state = load_checkpoint(path)
+        if self.state_from is not None and int(state["step"]) < node.step:
+            log.info("%s: the member state (step %d) is newer than checkpoint %s (step %d); keeping it",
+                     self.id, node.step, path.name, state["step"])
+            return
+        node.load_state_dict(state)
+        self.resumed_from = str(path)
+        log.info("%s: resumed from %s at step %d", self.id, path, node.step)
+
+    # -- the training driver (this thread) -------------------------------------------------
+    def _topology_for(self, members: list[str]) -> Any:
+        from topologies import build
+
+        key = tuple(members)
+        topo = self._topologies.get(key)
+        if topo is None:
+            try:
+                topo = build(self.cfg.topology, len(members), seed=self.cfg.seed)
+            except ValueError as e:
+                log.warning("%s: topology %r does not fit %d members (%s); using a ring", self.id,
+                            self.cfg.topology, len(members), e)
+                topo = build("ring", len(members), seed=self.cfg.seed)
+            self._topologies = {key: topo}  # only the current one is needed
+        return topo
+
+    def _apply_members(self) -> None:
+        node = self.node
+        assert node is not None
+        with self.lock:
+            members = self.membership.at_round(node.round)
+        if self.id not in members:
+            members = sorted([*members, self.id], key=self.membership.order_key)
+        if members != node.members:
+            log.info("%s: round %d: %d members", self.id, node.round, len(members))
+            node.set_members(members, self._topology_for(members))
+
+    def train(self) -> None:
+        """Run the task's training program to the end (or until stopped)."""
+        node = self.node
+        assert node is not None and node.stream is not None, "train() needs a task; use step() for your own loop"
+        last_eval = node.step
+        if self._metrics is not None:
+            self._log_metrics("eval")  # the starting point of every curve
+        every = self.cfg.eval_every or max(1, self.cfg.steps // 10)
+
+        def after_step() -> bool:
+            nonlocal last_eval
+            if self._metrics is not None and node.step - last_eval >= every:
+                last_eval = node.step
+                self._log_metrics("eval")
+            if self.cfg.checkpoint_dir and self.cfg.checkpoint_every and node.step % self.cfg.checkpoint_every == 0:
+                save_checkpoint(node.state_dict(), self.cfg.checkpoint_dir, node.step)
+            if self.stop.is_set():
+                log.warning("%s: stopping at step %d on request", self.id, node.step)
+                return False
+            return True
+
+        self._drive(node.program(), after_step)
+        if self.cfg.checkpoint_dir:
+            save_checkpoint(node.state_dict(), self.cfg.checkpoint_dir, node.step)
+
+    def step(self) -> None:
+        """For a training loop of your own: call once after each ``optimizer.step()``.
+
+        Counts a local step; every ``period`` steps it exchanges with the
+        neighbours and mixes (blocking for a synchronous round, as D-PSGD does).
+        """
+        node = self.node
+        if node is None:
+            raise RuntimeError("call start() before step()")
+        self._service(0.0)
+        node.step += 1
+        if node.step % self.cfg.period == 0:
+            self._apply_members()
+            self._drive(node.exchange(), lambda: True)
+
+    def _drive(self, program: Any, after_step: Any) -> None:
+        """Advance a node program with the wall clock: the real-world driver."""
+        node = self.node
+        assert node is not None
+        started = False
+        while True:
+            now = self.clock() - self.t0
+            try:
+                action = program.send(now) if started else next(program)
+            except StopIteration:
+                return
+            started = True
+            self._service(0.0)
+            kind = type(action)
+            if kind is Compute:
+                if not after_step():
+                    return
+                if node.step % self.cfg.period == 0:
+                    self._apply_members()  # membership changes take effect between rounds
+            elif kind is Send:
+                encoded: dict[int, list] = {}
+                for dst, msg in action.messages:
+                    frames = encoded.get(id(msg))
+                    if frames is None:  # one encoding per distinct message, shared by its receivers
+                        frames = encoded[id(msg)] = wire.encode(msg)
+                    self.transport.send(dst, frames)
+            elif kind is Wait:
+                self._wait(action.timeout)
+
+    def _wait(self, timeout: float) -> None:
+        """Poll for the round's messages until ready, timeout, or an awaited neighbour dies."""
+        node = self.node
+        assert node is not None
+        deadline = self.clock() + timeout
+        expected = {node.members[j] for j in node.rule.expected_senders(node.topology, node.index, node.round)}
+        while not node.ready():
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                log.info("%s: round %d timed out waiting for neighbours", self.id, node.round)
+                return
+            if self.stop.is_set():
+                return
+            with self.lock:
+                alive = self.membership.members
+                if any(e not in alive for e in expected):
+                    return  # a neighbour we wait for was declared dead: mix without it
+            self._service(min(remaining, 0.05))
+
+    def _service(self, block: float) -> None:
+        """Handle what the I/O thread handed over: state messages, state requests and replies."""
+        try:
+            msg = self.inbound.get(timeout=block) if block > 0 else self.inbound.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(msg)
+            try:
+                msg = self.inbound.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg: Message) -> None:
+        node = self.node
+        if msg.kind == "state":
+            if node is None:
+                # neighbours that started a moment earlier already sent round 0: keep it
+                if len(self._early) < 1024:
+                    self._early.append(msg)
+                return
+            if self.status == "done":
+                return  # finished: nothing to mix into
+            if not node.deliver(msg):
+                self.node_rejected_from(msg)
+        elif msg.kind == "state-request":
+            if node is None or self.status == "waiting":
+                return
+            snap = node.state.snapshot()
+            weight = getattr(node.rule, "weight", None)
+            reply = Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
+                            weight, {"inc": self.incarnation}, self.fingerprint)
+            self._send_message(msg.sender, reply)
+        elif msg.kind == "state-reply":
+            if msg.fingerprint == self.fingerprint:
+                self._state_replies.append(msg)
+
+    def node_rejected_from(self, msg: Message) -> None:
+        node = self.node
+        assert node is not None
+        for reason, n in node.rejected.items():
+            if n > self.node_rejected[reason]:
+                self.node_rejected[reason] = n
+                self.control.reject(str(msg.sender), reason)
+                self.control.rejected[reason] -= 1  # counted by the node already
+
+    def finish(self) -> None:
+        """Keep serving until every other member is done (or gone), or ``grace`` passes."""
+        self.status = "done"
+        if self.interrupted:
+            return
+        end = self.clock() + self.cfg.grace
+        while self.clock() < end and not self.stop.is_set():
+            with self.lock:
+                busy = [m for k, m in self.membership.members.items() if k != self.id and m.status != "done"]
+            if not busy:
+                return
+            self._service(0.05)
+
+    # -- outputs ---------------------------------------------------------------------------
+    def neighbor_distance(self) -> float:
+        node = self.node
+        return node.neighbor_distance() if node is not None else math.nan
+
+    def _log_metrics(self, event: str, extra: dict | None = None) -> dict[str, Any]:
+        node = self.node
+        assert node is not None
+        ev = self.task.evaluate(node.model, self.device) if self.task is not None else {}
+        rec = {"event": event, "node": self.id, "time": self.clock() - self.t0, "step": node.step,
+               "round": node.round, "train_loss": node.pop_mean_loss(), "loss": ev.get("loss"),
+               "accuracy": ev.get("accuracy"), "neighbor_distance": node.neighbor_distance(),
+               "bytes_sent": sum(self.transport.bytes_sent.values()),
+               "bytes_received": sum(self.transport.bytes_received.values()), **(extra or {})}
+        if "perplexity" in ev:
+            rec["perplexity"] = ev["perplexity"]
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(rec, default=_jsonable) + "\n")
+            self._metrics.flush()
+        return rec
+
+    def summary(self) -> dict[str, Any]:
+        """The final figures (``gossip-node --json``)."""
+        node = self.node
+        sent, received = self.transport.bytes_sent, self.transport.bytes_received
+        by_class: Counter[str] = Counter()
+        with self.lock:
+            dcs = {k: m.dc for k, m in self.membership.members.items()}
+        for peer, n in sent.items():
+            by_class["inter" if dcs.get(peer, self.cfg.dc) != self.cfg.dc else "intra"] += n
+        rejected = Counter(self.control.rejected)
+        if node is not None:
+            rejected.update(node.rejected)
+        out: dict[str, Any] = {"node": self.id, "steps": node.step if node else 0, "rounds": node.round if node else 0}
+        if node is not None:
+            ev = self.task.evaluate(node.model, self.device) if self.task is not None else {}
+            out.update(final_loss=ev.get("loss"), final_accuracy=ev.get("accuracy"),
+                       params_sha256=node.state.sha256(), neighbor_distance=node.neighbor_distance(),
+                       missing_neighbors=node.mix_totals.missing, members=len(node.members))
+            if "perplexity" in ev:
+                out["final_perplexity"] = ev["perplexity"]
+        out.update(bytes_sent=sum(sent.values()), bytes_received=sum(received.values()),
+                   bytes_intra=by_class.get("intra", 0), bytes_inter=by_class.get("inter", 0),
+                   dropped=sum(self.transport.dropped.values()),
+                   rejected={k: v for k, v in sorted(rejected.items()) if v}, joined=self.joined,
+                   state_from=self.state_from, resumed_from=self.resumed_from, interrupted=self.interrupted,
+                   device=str(self.device), wall_time_s=self.clock() - self.t0)
+        if self._metrics is not None and node is not None:
+            self._metrics.write(json.dumps({"event": "summary", **out}, default=_jsonable) + "\n")
+        return out
+
+
+def _jsonable(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return str(o)
+
+
+class GossipNode:
+    """Gossip for a training loop of your own (the Horovod-style path).
+
+    Wrap the model once, call :meth:`step` after every ``optimizer.step()``::
+
+        node = GossipNode(model, optimizer, listen="tcp://10.0.0.1:5555", peers=["10.0.0.2:5555"],
+                          topology="exponential", period=4)
+        shard = my_dataset[node.rank::node.world_size]   # any data split of yours
+        for x, y in loader(shard):
+            optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
+            node.step()
+        node.close()
+
+    The constructor joins the cluster (blocking until training starts, like
+    ``gossip-node``). Keyword options are :class:`PeerConfig` fields.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, listen: str,
+                 peers: Any = (), **options: Any) -> None:
+        if isinstance(peers, str):
+            peers = [p for p in peers.split(",") if p.strip()]
+        self.peer = Peer(PeerConfig(listen=listen, peers=tuple(peers), **options), model=model, optimizer=optimizer)
+        try:
+            if not self.peer.start():
+                raise PeerError("stopped before training started")
+        except BaseException:
+            self.peer.close()
+            raise
+
+    @property
+    def rank(self) -> int:
+        """This node's index among the members it started with (for picking a data shard)."""
+        return int(self.peer.rank)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.peer.world_size)
+
+    @property
+    def members(self) -> list[str]:
+        return list(self.peer.node.members) if self.peer.node else []
+
+    def step(self) -> None:
+        """After ``optimizer.step()``: exchange and mix every ``period`` calls."""
+        self.peer.step()
+
+    def neighbor_distance(self) -> float:
+        return self.peer.neighbor_distance()
+
+    def close(self) -> dict[str, Any]:
+        """Finish (serve slower peers for up to ``grace`` s), say goodbye; returns the summary."""
+        try:
+            self.peer.finish()
+            return self.peer.summary()
+        finally:
+            self.peer.close()
+
+    def __enter__(self) -> "GossipNode":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

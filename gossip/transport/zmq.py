@@ -1,0 +1,233 @@
+"""The real transport: ZeroMQ, one ROUTER in, one DEALER per peer out.
+
+All sockets live on one I/O thread (ZeroMQ sockets are not thread-safe).
+Other threads hand it frames through :meth:`ZmqTransport.send`, which only
+enqueues; tensor buffers travel as zero-copy frames, so the sending thread must
+not modify them afterwards (the node sends immutable snapshots). Incoming
+multiparts are handed, still as raw frames, to the ``on_frames`` callback on
+the I/O thread; ``on_tick`` runs there every ``tick`` seconds for heartbeats
+and timers. Transports move bytes: they never choose weights or peers.
+
+Socket options: LINGER 0 (closing never blocks on unsent data), a send
+high-water mark per peer (a slow peer cannot make us buffer without bound;
+what does not fit is dropped and counted), IMMEDIATE (no queueing towards a
+peer that is not connected yet), MAXMSGSIZE on the ROUTER (a hostile peer
+cannot make us allocate more than that), and reconnect backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import zmq
+
+__all__ = ["ZmqTransport", "BindError"]
+
+log = logging.getLogger("gossip.transport")
+
+
+class BindError(OSError):
+    """The listen address cannot be bound (in use, not local, no permission)."""
+
+
+def _nbytes(frame: Any) -> int:
+    return memoryview(frame).nbytes
+
+
+class ZmqTransport:
+    """Move multipart messages between node ids (``HOST:PORT`` strings).
+
+    Parameters
+    ----------
+    node_id : this node's id; also its routing identity on outgoing DEALERs
+    listen : endpoint to bind, e.g. ``tcp://0.0.0.0:5555``
+    on_frames : ``on_frames(routing_id, frames)`` for each incoming multipart (I/O thread)
+    on_tick : ``on_tick(now)`` every ``tick`` seconds (I/O thread)
+    max_message_size : ROUTER MAXMSGSIZE in bytes (-1: unlimited)
+    hwm : per-peer send high-water mark, in messages
+    curve : optional ``(public, secret, server_public_for(peer_id) -> bytes, authenticator)``,
+        see :mod:`gossip.security`
+    io_threads : libzmq I/O threads; one thread tops out well below loopback or
+        10 GbE speed on large messages, two roughly double it
+    """
+
+    def __init__(self, node_id: str, listen: str, *, on_frames: Callable[[bytes, list], None],
+                 on_tick: Callable[[float], None] | None = None, tick: float = 0.1,
+                 max_message_size: int = -1, hwm: int = 16, curve: Any = None, io_threads: int = 2,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.node_id = node_id
+        self.listen = listen
+        self.on_frames = on_frames
+        self.on_tick = on_tick
+        self.tick = tick
+        self.max_message_size = max_message_size
+        self.hwm = hwm
+        self.curve = curve
+        self.clock = clock
+        self.ctx = zmq.Context(io_threads=io_threads)
+        self._out: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._thread: threading.Thread | None = None
+        self._running = threading.Event()
+        self._stopped = threading.Event()
+        self.bytes_sent: Counter[str] = Counter()
+        self.bytes_received: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()  # peer -> messages dropped at the high-water mark
+        self._wake_addr = f"inproc://wake-{id(self)}"
+        self._router: zmq.Socket | None = None
+        self._wake_send: zmq.Socket | None = None
+        self._wake_lock = threading.Lock()
+        self.error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the ROUTER (raising :class:`BindError`) and start the I/O thread."""
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.RCVHWM, 1000)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer with the same id takes over
+        if self.max_message_size > 0:
+            router.setsockopt(zmq.MAXMSGSIZE, int(self.max_message_size))
+        if self.curve is not None:
+            self.curve.setup_server(router)
+        try:
+            router.bind(self.listen)
+        except zmq.ZMQError as e:
+            router.close(0)
+            self.ctx.term()
+            reason = "already in use" if e.errno == zmq.EADDRINUSE else e.strerror
+            raise BindError(f"cannot listen on {self.listen}: {reason}") from None
+        self._router = router
+        wake_recv = self.ctx.socket(zmq.PAIR)
+        wake_recv.bind(self._wake_addr)
+        self._wake_send = self.ctx.socket(zmq.PAIR)
+        self._wake_send.setsockopt(zmq.LINGER, 0)
+        self._wake_send.connect(self._wake_addr)
+        self._running.set()
+        self._thread = threading.Thread(target=self._loop, args=(router, wake_recv), name=f"io-{self.node_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the I/O thread (after it flushes what is queued) and close every socket."""
+        if self._thread is None:
+            return
+        self._running.clear()
+        self._wake()
+        self._thread.join(timeout)
+        with self._wake_lock:
+            if self._wake_send is not None:
+                self._wake_send.close(0)
+                self._wake_send = None
+        self.ctx.destroy(linger=0)
+        self._thread = None
+
+    # -- API for other threads -------------------------------------------------------------
+    def send(self, dst: str, frames: list) -> None:
+        """Queue ``frames`` for ``dst``; never blocks. Buffers must not change afterwards."""
+        self._out.put((dst, frames))
+        self._wake()
+
+    def forget(self, dst: str) -> None:
+        """Close the connection to ``dst`` (it left or died)."""
+        self._out.put((dst, None))
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_send is not None:
+                try:
+                    self._wake_send.send(b"", zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # a wake-up is already pending
+
+    # -- the I/O thread --------------------------------------------------------------------
+    def _dealer(self, dst: str) -> zmq.Socket:
+        s = self._dealers.get(dst)
+        if s is None:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, self.hwm)
+            s.setsockopt(zmq.IMMEDIATE, 1)
+            s.setsockopt(zmq.RECONNECT_IVL, 100)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # exponential backoff up to 5 s
+            s.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
+            if self.curve is not None:
+                self.curve.setup_client(s, dst)
+            s.connect(f"tcp://{dst}")
+            self._dealers[dst] = s
+        return s
+
+    def _flush(self) -> None:
+        while True:
+            try:
+                dst, frames = self._out.get_nowait()
+            except queue.Empty:
+                return
+            if frames is None:
+                s = self._dealers.pop(dst, None)
+                if s is not None:
+                    s.close(0)
+                continue
+            try:
+                self._dealer(dst).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                self.bytes_sent[dst] += sum(_nbytes(f) for f in frames)
+            except zmq.Again:
+                self.dropped[dst] += 1  # not connected yet, or the peer is not keeping up
+            except zmq.ZMQError as e:
+                self.dropped[dst] += 1
+                log.warning("%s: send to %s failed: %s", self.node_id, dst, e)
+
+    def _loop(self, router: zmq.Socket, wake: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        next_tick = self.clock()
+        try:
+            while self._running.is_set():
+                timeout = max(0.0, next_tick - self.clock())
+                events = dict(poller.poll(int(timeout * 1000) + 1))
+                if wake in events:
+                    try:
+                        while True:
+                            wake.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                    self._flush()
+                if router in events:
+                    for _ in range(256):  # bounded, so ticks and sends are not starved
+                        try:
+                            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        ident = frames[0].bytes
+                        body = [f.buffer for f in frames[1:]]
+                        self.bytes_received[ident.decode(errors="replace")] += sum(f.nbytes for f in body)
+                        try:
+                            self.on_frames(ident, body)
+                        except Exception:  # a handler bug must not kill the I/O thread
+                            log.exception("%s: error handling a message from %r", self.node_id, ident[:64])
+                now = self.clock()
+                if now >= next_tick:
+                    next_tick = now + self.tick
+                    if self.on_tick is not None:
+                        try:
+                            self.on_tick(now)
+                        except Exception:
+                            log.exception("%s: error in the I/O tick", self.node_id)
+            self._flush()  # say what was queued (goodbyes) before closing
+        except Exception as e:  # pragma: no cover - reported to the node thread
+            self.error = e
+            log.exception("%s: I/O thread crashed", self.node_id)
+        finally:
+            for s in self._dealers.values():
+                s.close(0)
+            self._dealers.clear()
+            router.close(0)
+            wake.close(0)
+            self._stopped.set()

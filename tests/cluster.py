@@ -1,0 +1,91 @@
+"""Start real gossip-node processes on loopback for tests: free ports, hard time
+limits, and every process reaped (by PID) whatever happens."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeProc:
+    """One ``gossip-node`` process; stdout/stderr go to files in ``workdir``."""
+
+    def __init__(self, workdir: Path, name: str, args: list[str], port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.name = name
+        self.out = workdir / f"{name}.out"
+        self.err = workdir / f"{name}.err"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-c", "import sys; from gossip.cli import node_main; sys.exit(node_main())",
+               "--listen", f"tcp://{self.addr}", "--threads", "1", "-v", *args]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.out, "w"), stderr=open(self.err, "w"), env=env,
+                                     cwd=str(Path(__file__).resolve().parents[1]))
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def summary(self) -> dict:
+        lines = [ln for ln in self.out.read_text().splitlines() if ln.startswith("{")]
+        assert lines, f"{self.name} printed no JSON; stderr:\n{self.log()[-3000:]}"
+        return json.loads(lines[-1])
+
+    def log(self) -> str:
+        return self.err.read_text()
+
+    def wait_for_log(self, needle: str, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if needle in self.log():
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{self.name}: {needle!r} not logged in {timeout} s:\n{self.log()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+class Cluster:
+    """Context manager owning a set of node processes."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.nodes: list[NodeProc] = []
+
+    def start(self, name: str, args: list[str], port: int | None = None) -> NodeProc:
+        node = NodeProc(self.workdir, name, args, port)
+        self.nodes.append(node)
+        return node
+
+    def wait_all(self, timeout: float) -> list[int]:
+        end = time.monotonic() + timeout
+        codes = []
+        for n in self.nodes:
+            try:
+                codes.append(n.wait(max(0.1, end - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{n.name} did not finish in {timeout} s:\n{n.log()[-3000:]}") from None
+        return codes
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for n in self.nodes:  # only the processes we started, by PID
+            n.kill()
