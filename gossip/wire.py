@@ -9,8 +9,14 @@ A message is a multipart::
 Header keys: ``kind``, ``from`` (sender id), ``seq``, ``round``, ``prog``
 (progress: the sender's local step count), ``fp`` (model fingerprint), and for
 messages carrying a tensor ``codec``, ``dtype``, ``numel``, ``meta`` (codec
-metadata) and ``lens`` (byte length of each buffer frame); optional ``w``
+metadata) and ``lens`` (byte length of each codec buffer); optional ``w``
 (push-sum mass) and ``x`` (small extra fields: members list, rule flags).
+
+Buffers larger than ``chunk`` bytes (4 MiB) travel as several frames of at
+most that size (header key ``chunk``); the receiver joins them. Small frames
+let the allocator reuse receive memory instead of mapping (and page-faulting)
+a fresh region for every large message, which halves transfer time for a
+64 MiB model on loopback.
 
 Tensors are never pickled. :func:`decode` checks every field before anything
 is built from it and raises :class:`WireError` with a short ``reason`` that
@@ -20,6 +26,7 @@ nodes count; it never raises anything else on hostile bytes.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from typing import Any, Sequence
 
@@ -36,7 +43,8 @@ TAG = PREFIX + str(VERSION).encode()
 KINDS = frozenset({"state", "hello", "members", "ping", "pong", "bye", "state-request", "state-reply"})
 DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 MAX_HEADER = 64 * 1024
-MAX_FRAMES = 64
+MAX_FRAMES = 2 + 65536  # with 4 MiB chunks: 256 GiB; ZeroMQ's MAXMSGSIZE bounds the real total
+CHUNK = 4 * 2**20
 MAX_INT = 2**63 - 1
 MAX_NUMEL = 2**34
 
@@ -64,7 +72,9 @@ def header_of(msg: Message) -> dict[str, Any]:
         h["dtype"] = enc.dtype
         h["numel"] = enc.numel
         h["meta"] = enc.meta
-        h["lens"] = [_buffer_len(b) for b in enc.buffers]
+        h["lens"] = lens = [_buffer_len(b) for b in enc.buffers]
+        if any(n > CHUNK for n in lens):
+            h["chunk"] = CHUNK
     if msg.weight is not None:
         h["w"] = float(msg.weight)
     if msg.extra:
@@ -86,8 +96,57 @@ def encode(msg: Message) -> list[Any]:
     """Frames for ``msg``; tensor buffers are passed through without copying."""
     frames: list[Any] = [TAG, _pack(header_of(msg))]
     if msg.data is not None:
-        frames.extend(msg.data.buffers)
+        for b in msg.data.buffers:
+            view = memoryview(b).cast("B")
+            if view.nbytes > CHUNK:
+                frames.extend(view[i:i + CHUNK] for i in range(0, view.nbytes, CHUNK))
+            else:
+                frames.append(b)
     return frames
+
+
+class _JoinPool:
+    """Receive buffers for joined chunk frames, reused once nothing views them.
+
+    A fresh 64 MiB allocation is mapped and page-faulted on first touch, which
+    costs several times the copy itself. A numpy array is the exporter of every
+    view made from it (memoryviews, tensors from ``frombuffer``), so its
+    reference count tells exactly when no decoded payload uses it any more.
+    """
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self.free: dict[int, list] = {}
+        self.lock = threading.Lock()
+
+    def get(self, n: int) -> Any:
+        import numpy as np  # noqa: PLC0415
+
+        with self.lock:
+            arrays = self.free.setdefault(n, [])
+            for a in arrays:
+                if sys.getrefcount(a) == 3:  # the list, the loop variable, getrefcount's argument
+                    return a
+            a = np.empty(n, dtype=np.uint8)
+            if len(arrays) < self.keep:
+                arrays.append(a)
+            return a
+
+
+_pool = _JoinPool()
+
+
+def _join(frames: Sequence[Any], total: int) -> memoryview:
+    """One contiguous buffer from chunk frames (the receive side's only copy)."""
+    import numpy as np  # noqa: PLC0415
+
+    out = _pool.get(total)
+    pos = 0
+    for f in frames:
+        n = _buffer_len(f)
+        out[pos:pos + n] = np.frombuffer(f, dtype=np.uint8)
+        pos += n
+    return memoryview(out)
 
 
 def message_size(msg: Message) -> int:
@@ -184,12 +243,27 @@ def decode(frames: Sequence[Any]) -> Message:
             raise WireError("size", "numel too large")
         meta = _scalars(h.get("meta", {}), "meta")
         lens = h.get("lens")
-        if not isinstance(lens, list) or len(lens) != nframes - 2:
+        if not isinstance(lens, list) or len(lens) > MAX_FRAMES or not all(
+                isinstance(n, int) and not isinstance(n, bool) and 0 <= n for n in lens):
+            raise WireError("header", "lens must be a list of byte counts")
+        chunk = h.get("chunk")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or not 2**16 <= chunk <= 2**30):
+            raise WireError("header", "bad chunk size")
+        per_buffer = [1 if chunk is None or n <= chunk else -(-n // chunk) for n in lens]
+        if sum(per_buffer) != nframes - 2:
             raise WireError("frames", "frame count does not match declared buffers")
-        buffers = tuple(frames[2:])
-        for i, (n, b) in enumerate(zip(lens, buffers)):
-            if isinstance(n, bool) or not isinstance(n, int) or n != _buffer_len(b):
+        buffers_list = []
+        pos = 2
+        for i, (n, k) in enumerate(zip(lens, per_buffer)):
+            parts = frames[pos:pos + k]
+            pos += k
+            sizes = [_buffer_len(f) for f in parts]
+            want = [n] if k == 1 else [chunk] * (k - 1) + [n - chunk * (k - 1)]
+            if sizes != want:
                 raise WireError("lengths", f"buffer {i} length differs from the declared one")
+            buffers_list.append(parts[0] if k == 1 else _join(parts, n))
+        buffers = tuple(buffers_list)
         data = Encoded(codec, numel, dtype, meta, buffers)
         try:
             get_decoder(codec).validate(data)

@@ -111,3 +111,29 @@ def test_random_garbage_only_ever_raises_wire_error():
             frames[0] = wire.TAG
         with pytest.raises(wire.WireError):
             wire.decode(frames)
+
+
+def test_large_buffers_travel_in_chunks_and_join_exactly():
+    x = torch.randn(3 * wire.CHUNK // 4 + 12345)  # 3 chunks and a bit: 4 frames
+    msg = state_message(x)
+    frames = wire.encode(msg)
+    assert len(frames) == 2 + 4 and all(memoryview(f).nbytes <= wire.CHUNK for f in frames[2:])
+    assert wire.message_size(msg) == sum(memoryview(f).nbytes for f in frames)
+    back = wire.decode([bytes(memoryview(f)) for f in frames])
+    from gossip.compression import get_decoder
+
+    assert torch.equal(get_decoder("identity").decode(back.data), x)
+
+
+def test_chunk_frames_are_checked_one_by_one():
+    frames = [bytes(memoryview(f)) for f in wire.encode(state_message(torch.randn(wire.CHUNK // 2)))]
+    assert len(frames) == 2 + 2
+    with pytest.raises(wire.WireError) as e:  # a chunk one byte short
+        wire.decode([*frames[:2], frames[2][:-1], frames[3] + b"x"])
+    assert e.value.reason == "lengths"
+    with pytest.raises(wire.WireError) as e:  # a chunk missing
+        wire.decode(frames[:3])
+    assert e.value.reason == "frames"
+    with pytest.raises(wire.WireError) as e:  # an absurd chunk size
+        wire.decode(header(frames, chunk=7))
+    assert e.value.reason == "header"
