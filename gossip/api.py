@@ -283,6 +283,11 @@ class Simulation:
         }
         if "perplexity" in last:
             summary["final_perplexity"] = last["perplexity"]
+        report = nodes[0].rule.report()
+        summary["rule"] = report["rule"]
+        for key in ("gamma", "gaps", "resyncs"):
+            if key in report:
+                summary[key] = report[key] if key == "gamma" else sum(n.rule.report()[key] for n in nodes)
         if self._out is not None:
             self._out.write(json.dumps({"event": "summary", **summary}) + "\n")
             self._out.flush()

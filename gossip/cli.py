@@ -183,7 +183,7 @@ NODE_FLAGS = {
     "device": str, "dc": str, "timeout": float, "heartbeat": float, "dead_after": float, "settle": float,
     "join_timeout": float, "join_margin": int, "grace": float, "checkpoint_dir": str, "checkpoint_every": int,
     "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": float,
-    "threads": int,
+    "threads": int, "emulate": list,
 }
 
 
@@ -224,6 +224,9 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="local steps between evaluations in --log (default: steps/10)")
     p.add_argument("--max-message-mb", type=float, default=0.0, metavar="MB",
                    help="largest message accepted (default: twice the model + 1 MiB)")
+    p.add_argument("--emulate", action="append", default=None, metavar="CLASS:SPEC",
+                   help="emulate slow links on one machine (off by default): CLASS intra, inter or all, SPEC as "
+                        "--link in gossip-sim, e.g. inter:latency=50ms,bandwidth=100Mbit,loss=0.01; repeatable")
     p.add_argument("--threads", type=_positive_int("--threads"), default=None, metavar="N",
                    help="torch intra-op threads (default: torch's choice; use 1 when several nodes share a machine)")
     return p
@@ -285,7 +288,8 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
                      join_timeout=merged["join_timeout"], join_margin=merged["join_margin"], grace=merged["grace"],
                      checkpoint_dir=merged.get("checkpoint_dir"), checkpoint_every=merged["checkpoint_every"],
                      resume=bool(merged.get("resume")), log=merged.get("log"), eval_every=merged["eval_every"],
-                     max_message_mb=merged["max_message_mb"], options=options)
+                     max_message_mb=merged["max_message_mb"], options=options,
+                     emulate=tuple(merged.get("emulate") or ()))
     args.json = bool(merged.get("json"))
     args.threads = merged.get("threads")
     args.verbose = merged.get("verbose") or 0

@@ -135,6 +135,8 @@ class Node:
         else:
             raise ValueError("a node needs a task, or a model for a training loop of your own")
         self.state = FlatState(self.model)
+        self.fingerprint = self.state.fingerprint  # checked against every arriving message
+        self.numel = self.state.numel
         self.inbox = Inbox()
         self.step = 0
         self.round = 0
@@ -170,9 +172,6 @@ class Node:
         self.index = index_of[self.id]
         self.topology = topology
 
-    @property
-    def fingerprint(self) -> str:
-        return self.state.fingerprint
 
     # -- the program ------------------------------------------------------------------------
     def program(self) -> Generator[Action, float, None]:
@@ -278,7 +277,7 @@ class Node:
         if msg.fingerprint != self.fingerprint and msg.fingerprint:
             return "fingerprint"
         data = msg.data
-        if data is None or data.numel != self.state.numel:
+        if data is None or data.numel != self.numel:
             return "size"
         if self.config.check_payloads:
             try:

@@ -48,6 +48,7 @@ from gossip.mixing.base import all_finite, decode_payload
 from gossip.node import Compute, Node, NodeConfig, Send, Wait, init_model
 from gossip.state import FlatState, fingerprint_of
 from gossip.tasks import get_task
+from gossip.transport.sim import LinkModel, SimNetwork, parse_link
 from gossip.transport.zmq import BindError, ZmqTransport
 
 __all__ = ["PeerConfig", "Peer", "PeerError", "GossipNode", "resolve_device"]
@@ -75,6 +76,26 @@ def resolve_device(spec: str) -> torch.device:
     elif dev.type != "cpu":
         raise ValueError(f"unsupported device {spec!r}; valid: auto, cpu, cuda, cuda:N")
     return dev
+
+
+UNSHAPED = LinkModel(latency=0.0, bandwidth=math.inf)
+
+
+def emulated_links(specs: tuple[str, ...] | list[str]) -> dict[str, LinkModel] | None:
+    """Parse ``--emulate CLASS:SPEC`` entries (CLASS: intra, inter or all) into link models."""
+    if not specs:
+        return None
+    links = {"intra": UNSHAPED, "inter": UNSHAPED}
+    for entry in specs:
+        cls, sep, spec = str(entry).partition(":")
+        cls = cls.strip()
+        if not sep or cls not in ("intra", "inter", "all"):
+            raise ValueError(f"--emulate {entry!r}: expected CLASS:SPEC with CLASS intra, inter or all, "
+                             "e.g. inter:latency=50ms,bandwidth=100Mbit")
+        model = parse_link(spec, UNSHAPED)
+        for c in (("intra", "inter") if cls == "all" else (cls,)):
+            links[c] = model
+    return links
 
 
 @dataclass(frozen=True)
@@ -110,6 +131,7 @@ class PeerConfig:
     eval_every: int = 0                  # local steps between evaluations in the metrics log (0: steps/10)
     max_message_mb: float = 0.0          # incoming size cap in MiB (0: twice the model + 1 MiB)
     options: dict = field(default_factory=dict)  # extra mixing-rule options (e.g. gamma)
+    emulate: tuple[str, ...] = ()        # link emulation: "CLASS:latency=50ms,bandwidth=100Mbit,loss=0,drop=N"
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "--listen")
@@ -147,6 +169,7 @@ class PeerConfig:
             raise ValueError("--resume needs --checkpoint-dir")
         if not isinstance(self.dc, str) or len(self.dc) > 64:
             raise ValueError("dc must be a short string")
+        emulated_links(self.emulate)  # fails early on a bad spec
         from gossip.data import parse_split
         from topologies import SPEC_NAMES
 
@@ -215,8 +238,11 @@ class Peer:
                                     self.lock, self._send_message, self.inbound.put, self._progress,
                                     heartbeat=config.heartbeat, seeds=tuple(parse_address(p) for p in config.peers))
         listen = "tcp://" + parse_address(config.listen, "--listen")
+        links = emulated_links(config.emulate)
+        self.shaper = None if links is None else SimNetwork(links, self._link_class, seed=config.seed)
         self.transport = ZmqTransport(self.id, listen, on_frames=self.control.on_frames, on_tick=self._tick,
-                                      tick=min(0.1, config.heartbeat / 2), max_message_size=int(cap))
+                                      tick=min(0.1, config.heartbeat / 2), max_message_size=int(cap),
+                                      shaper=self.shaper)
 
     # -- shared with the I/O thread --------------------------------------------------------
     def _progress(self) -> tuple[str, int, int]:
@@ -224,12 +250,20 @@ class Peer:
         return self.status, (node.round if node else 0), (node.step if node else 0)
 
     def _send_message(self, dst: str, msg: Message) -> None:
-        self.transport.send(dst, wire.encode(msg))
+        self.transport.send(dst, wire.encode(msg), droppable=False)  # control traffic
 
     def _tick(self, now: float) -> None:
         dead = self.control.tick(now)
         for d in dead:
             self.transport.forget(d)
+
+    def _link_class(self, u: str, v: str) -> str:
+        """intra or inter: whether the two members carry different datacenter labels."""
+        with self.lock:
+            mu, mv = self.membership.members.get(u), self.membership.members.get(v)
+        du = mu.dc if mu else self.cfg.dc
+        dv = mv.dc if mv else du
+        return "inter" if du != dv else "intra"
 
     def request_stop(self) -> None:
         """Stop after the current step (signal handlers call this)."""
@@ -631,6 +665,14 @@ class Peer:
                        missing_neighbors=node.mix_totals.missing, members=len(node.members))
             if "perplexity" in ev:
                 out["final_perplexity"] = ev["perplexity"]
+        if node is not None:
+            report = node.rule.report()
+            if "copies_sha" in report:  # indices -> member ids, comparable across nodes
+                report["copies_sha"] = {node.members[j]: h for j, h in report["copies_sha"].items()
+                                        if j < len(node.members)}
+            out["mixing"] = report
+        if self.shaper is not None:
+            out["emulated_losses"] = self.transport.emulated_losses
         out.update(bytes_sent=sum(sent.values()), bytes_received=sum(received.values()),
                    bytes_intra=by_class.get("intra", 0), bytes_inter=by_class.get("inter", 0),
                    dropped=sum(self.transport.dropped.values()),

@@ -124,6 +124,7 @@ class MixingRule:
         self._round_topology: Any = None
         self._round_me: int | None = None
         self._round: tuple[dict[int, float], dict[int, float], list[int]] = ({}, {}, [])
+        self.receivers: list[int] = []  # out-neighbours of the current round (set by round_weights)
 
     def outgoing(self, x: torch.Tensor, topology: Any, me: int, rnd: int) -> list[tuple[int, Packet]]:
         raise NotImplementedError
@@ -145,8 +146,9 @@ class MixingRule:
         (asked after every delivery) and :meth:`mix`. Callers must not mutate them.
         """
         if self._round_key != rnd or self._round_topology is not topology or self._round_me != me:
-            ins = topology.in_weights(me, rnd)
-            self._round = (ins, topology.out_weights(me, rnd), [j for j in ins if j != me])
+            ins, outs = topology.in_weights(me, rnd), topology.out_weights(me, rnd)
+            self._round = (ins, outs, [j for j in ins if j != me])
+            self.receivers = [j for j in outs if j != me]
             self._round_key, self._round_topology, self._round_me = rnd, topology, me
         return self._round
 
@@ -165,6 +167,10 @@ class MixingRule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def report(self) -> dict[str, Any]:
+        """Rule-specific figures for summaries (the rule's name at least)."""
+        return {"rule": self.name}
 
     def debiased(self, x: torch.Tensor) -> torch.Tensor:
         """The model this node would evaluate (push-sum divides by its weight)."""

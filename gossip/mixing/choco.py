@@ -106,6 +106,14 @@ def _cseq(extra: dict[str, Any]) -> int | None:
     return v if type(v) is int and v >= 0 else None
 
 
+def _digest(t: torch.Tensor | None) -> str | None:
+    if t is None:
+        return None
+    import hashlib
+
+    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
 class ChocoRule(MixingRule):
     """CHOCO-gossip (see the module docstring): compressed, error-fed-back, synchronous.
 
@@ -309,6 +317,17 @@ class ChocoRule(MixingRule):
         return report
 
     # -- membership and persistence ---------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """Name, gamma and resync counters, plus digests of the public copies (a
+        receiver's copy of j must equal j's own: compare across nodes)."""
+        return {"rule": self.name, "gamma": self.gamma, "gaps": self.gaps, "resyncs_requested": self.resyncs_requested,
+                "resyncs_sent": self.resyncs_sent, "resyncs": self.resyncs,
+                "own_sha": _digest(self.own), "copies_sha": {j: _digest(c) for j, c in sorted(self.copies.items())}}
+
+    def neighbor_models(self) -> dict[int, torch.Tensor]:
+        """What this node knows of its neighbours' parameters: the in-sync public copies."""
+        return {j: c for j, c in self.copies.items() if j not in self.unsynced}
+
     def on_members_changed(self, old: list[Any], new: list[Any]) -> None:
         """Re-key per-neighbour state by member identity; state of departed members is dropped.
 

@@ -44,7 +44,8 @@ class GossipRule(MixingRule):
     synchronous = True
 
     def outgoing(self, x: torch.Tensor, topology: Any, me: int, rnd: int) -> list[tuple[int, Packet]]:
-        receivers = [j for j in self.round_weights(topology, me, rnd)[1] if j != me]
+        self.round_weights(topology, me, rnd)
+        receivers = self.receivers
         if not receivers:
             return []
         packet = Packet(self.codec.encode(x.clone()))  # one snapshot shared by every receiver

@@ -13,7 +13,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -32,12 +32,15 @@ class LinkModel:
     bandwidth : bits per second
     jitter : standard deviation of extra delay (seconds, half-normal)
     loss : probability that a message is lost
+    drop : if > 0, the ``drop``-th message on each link of this class is lost
+        (a deterministic fault for tests: "lose exactly one message here")
     """
 
     latency: float = 100e-6
     bandwidth: float = 10e9
     jitter: float = 0.0
     loss: float = 0.0
+    drop: int = 0
 
     def __post_init__(self) -> None:
         if not (self.latency >= 0 and math.isfinite(self.latency)):
@@ -48,6 +51,8 @@ class LinkModel:
             raise ValueError(f"jitter must be a finite number >= 0 seconds, got {self.jitter!r}")
         if not 0 <= self.loss < 1:
             raise ValueError(f"loss must be a probability in [0, 1), got {self.loss!r}")
+        if isinstance(self.drop, bool) or not isinstance(self.drop, int) or self.drop < 0:
+            raise ValueError(f"drop must be a non-negative integer (the N-th message), got {self.drop!r}")
 
     def transfer_time(self, nbytes: int) -> float:
         """Seconds for ``nbytes`` to leave the sender on an idle link."""
@@ -75,7 +80,7 @@ def _parse_quantity(key: str, text: str, units: dict[str, float]) -> float:
 
 
 def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel:
-    """Parse ``latency=50ms,bandwidth=100Mbit,jitter=1ms,loss=0.01`` (or ``lan`` / ``wan``).
+    """Parse ``latency=50ms,bandwidth=100Mbit,jitter=1ms,loss=0.01,drop=N`` (or ``lan`` / ``wan``).
 
     Unspecified fields keep ``base``'s values. Times take s/ms/us, rates
     bit/kbit/Mbit/Gbit (per second).
@@ -89,7 +94,8 @@ def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel
         return LAN
     if s == "wan":
         return WAN
-    fields = {"latency": base.latency, "bandwidth": base.bandwidth, "jitter": base.jitter, "loss": base.loss}
+    fields: dict[str, float | int] = {"latency": base.latency, "bandwidth": base.bandwidth, "jitter": base.jitter,
+                                      "loss": base.loss, "drop": base.drop}
     for item in s.split(","):
         key, eq, value = item.partition("=")
         key = key.strip()
@@ -99,6 +105,11 @@ def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel
             fields[key] = _parse_quantity(key, value, _UNITS_TIME)
         elif key == "bandwidth":
             fields[key] = _parse_quantity(key, value, _UNITS_RATE)
+        elif key == "drop":
+            try:
+                fields[key] = int(value)
+            except ValueError:
+                raise ValueError(f"link spec {spec!r}: drop must be an integer (the N-th message)") from None
         else:
             fields[key] = _parse_quantity(key, value, {})
     return LinkModel(**fields)
@@ -112,6 +123,9 @@ class SimNetwork:
     links : link model per link class ("intra", "inter")
     link_class : function (u, v) -> class name
     seed : seeds jitter and loss draws
+
+    Real nodes use the same object as their link emulator (``gossip-node
+    --emulate``): ``transmit`` answers when a message may leave, or that it is lost.
     """
 
     def __init__(self, links: dict[str, LinkModel], link_class: Callable[[int, int], str], seed: int = 0) -> None:
@@ -120,6 +134,7 @@ class SimNetwork:
         self.rng = np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, 0x11E7]))
         self.busy_until: dict[tuple[int, int], float] = {}
         self._class_cache: dict[tuple[int, int], str] = {}
+        self._sent_on: Counter[tuple[int, int]] = Counter()  # droppable messages per link (for ``drop``)
         self.bytes_by_class: Counter[str] = Counter()
         self.messages_by_class: Counter[str] = Counter()
         self.lost = 0
@@ -133,9 +148,10 @@ class SimNetwork:
     def reachable(self, u: int, v: int) -> bool:
         return not self._group or self._group.get(u, -1) == self._group.get(v, -1)
 
-    def transmit(self, u: int, v: int, nbytes: int, now: float) -> float | None:
+    def transmit(self, u: Any, v: Any, nbytes: int, now: float, *, droppable: bool = True) -> float | None:
         """Send ``nbytes`` from u to v at time ``now``; returns the arrival time or
-        None if the message is lost. Bytes are counted as sent either way."""
+        None if the message is lost. Bytes are counted as sent either way.
+        ``droppable=False`` (control traffic) exempts it from ``drop``, not from ``loss``."""
         pair = (u, v)
         cls = self._class_cache.get(pair)
         if cls is None:
@@ -146,7 +162,11 @@ class SimNetwork:
         start = max(now, self.busy_until.get(pair, 0.0))
         leave = start + nbytes * 8.0 / model.bandwidth
         self.busy_until[pair] = leave
-        if not self.reachable(u, v) or (model.loss and self.rng.random() < model.loss):
+        dropped = False
+        if model.drop and droppable:
+            self._sent_on[pair] += 1
+            dropped = self._sent_on[pair] == model.drop
+        if dropped or not self.reachable(u, v) or (model.loss and self.rng.random() < model.loss):
             self.lost += 1
             return None
         delay = model.latency

@@ -17,6 +17,7 @@ cannot make us allocate more than that), and reconnect backoff.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import threading
@@ -29,6 +30,15 @@ import zmq
 __all__ = ["ZmqTransport", "BindError"]
 
 log = logging.getLogger("gossip.transport")
+
+
+class _Control:
+    """Frames of a control message (exempt from emulated deterministic drops)."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list) -> None:
+        self.frames = frames
 
 
 class BindError(OSError):
@@ -54,12 +64,16 @@ class ZmqTransport:
         see :mod:`gossip.security`
     io_threads : libzmq I/O threads; one thread tops out well below loopback or
         10 GbE speed on large messages, two roughly double it
+    shaper : optional link emulator with ``transmit(src, dst, nbytes, now, droppable=)``
+        (a :class:`~gossip.transport.sim.SimNetwork`): each message leaves when it
+        says (delay, bandwidth cap) or is dropped (loss). Off by default; for tests
+        and demos of slow links on one machine.
     """
 
     def __init__(self, node_id: str, listen: str, *, on_frames: Callable[[bytes, list], None],
                  on_tick: Callable[[float], None] | None = None, tick: float = 0.1,
                  max_message_size: int = -1, hwm: int = 16, curve: Any = None, io_threads: int = 2,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 shaper: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.node_id = node_id
         self.listen = listen
         self.on_frames = on_frames
@@ -70,6 +84,10 @@ class ZmqTransport:
         self.curve = curve
         self.clock = clock
         self.ctx = zmq.Context(io_threads=io_threads)
+        self.shaper = shaper
+        self._delayed: list[tuple[float, int, str, Any]] = []  # (release time, seq, dst, frames)
+        self._delay_seq = 0
+        self.emulated_losses = 0
         self._out: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._dealers: dict[str, zmq.Socket] = {}
         self._thread: threading.Thread | None = None
@@ -128,9 +146,10 @@ class ZmqTransport:
         self._thread = None
 
     # -- API for other threads -------------------------------------------------------------
-    def send(self, dst: str, frames: list) -> None:
-        """Queue ``frames`` for ``dst``; never blocks. Buffers must not change afterwards."""
-        self._out.put((dst, frames))
+    def send(self, dst: str, frames: list, *, droppable: bool = True) -> None:
+        """Queue ``frames`` for ``dst``; never blocks. Buffers must not change afterwards.
+        ``droppable=False`` marks control traffic (exempt from emulated ``drop=N``)."""
+        self._out.put((dst, frames if droppable else _Control(frames)))
         self._wake()
 
     def forget(self, dst: str) -> None:
@@ -164,24 +183,44 @@ class ZmqTransport:
         return s
 
     def _flush(self) -> None:
+        now = self.clock()
         while True:
             try:
                 dst, frames = self._out.get_nowait()
             except queue.Empty:
-                return
+                break
             if frames is None:
                 s = self._dealers.pop(dst, None)
                 if s is not None:
                     s.close(0)
                 continue
-            try:
-                self._dealer(dst).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                self.bytes_sent[dst] += sum(_nbytes(f) for f in frames)
-            except zmq.Again:
-                self.dropped[dst] += 1  # not connected yet, or the peer is not keeping up
-            except zmq.ZMQError as e:
-                self.dropped[dst] += 1
-                log.warning("%s: send to %s failed: %s", self.node_id, dst, e)
+            droppable = not isinstance(frames, _Control)
+            if not droppable:
+                frames = frames.frames
+            if self.shaper is not None:
+                release = self.shaper.transmit(self.node_id, dst, sum(_nbytes(f) for f in frames), now,
+                                               droppable=droppable)
+                if release is None:
+                    self.emulated_losses += 1
+                    continue
+                if release > now:
+                    self._delay_seq += 1
+                    heapq.heappush(self._delayed, (release, self._delay_seq, dst, frames))
+                    continue
+            self._send_now(dst, frames)
+        while self._delayed and self._delayed[0][0] <= now:
+            _, _, dst, frames = heapq.heappop(self._delayed)
+            self._send_now(dst, frames)
+
+    def _send_now(self, dst: str, frames: list) -> None:
+        try:
+            self._dealer(dst).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self.bytes_sent[dst] += sum(_nbytes(f) for f in frames)
+        except zmq.Again:
+            self.dropped[dst] += 1  # not connected yet, or the peer is not keeping up
+        except zmq.ZMQError as e:
+            self.dropped[dst] += 1
+            log.warning("%s: send to %s failed: %s", self.node_id, dst, e)
 
     def _loop(self, router: zmq.Socket, wake: zmq.Socket) -> None:
         poller = zmq.Poller()
@@ -190,8 +229,11 @@ class ZmqTransport:
         next_tick = self.clock()
         try:
             while self._running.is_set():
-                timeout = max(0.0, next_tick - self.clock())
+                wake_at = min(next_tick, self._delayed[0][0]) if self._delayed else next_tick
+                timeout = max(0.0, wake_at - self.clock())
                 events = dict(poller.poll(int(timeout * 1000) + 1))
+                if self._delayed and self._delayed[0][0] <= self.clock():
+                    self._flush()  # emulated delays ran out
                 if wake in events:
                     try:
                         while True:
