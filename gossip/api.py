@@ -19,6 +19,10 @@ import torch
 
 from gossip.data import parse_split
 from gossip.mixing import ALGORITHMS, make_rule
+from gossip.faults import parse_faults
+from gossip.mixing.adversary import ScaledSender, parse_byzantine
+from gossip.membership import topology_for
+from gossip.mixing.policy import build_policies, parse_link_policies
 from gossip.node import Node, NodeConfig, init_model
 from gossip.progress import ProgressBar
 from gossip.simulator import ComputeModel, Simulator, parse_compute, parse_slow
@@ -43,6 +47,12 @@ class SimConfig:
     compression: str = "none"        # codec spec (see gossip.compression)
     gamma: float | str | None = None  # CHOCO step size in (0, 1]; None: the codec's default; "auto": tuned
     period: int = 1                  # local steps between exchanges
+    asynchronous: bool = False       # never wait for neighbours (staleness-weighted mixing)
+    staleness: str | None = None     # decay of stale messages: constant | poly:A | hinge:A,B | exp:A
+    overlap: bool = False            # a synchronous round travels while the next local steps compute
+    link_policy: Any = None          # per link class: {"inter": "period=20,codec=topk:0.01,async"} or CLI strings
+    clip: Any = None                 # robust mixing: clip each neighbour's difference to a radius (or "auto")
+    byzantine: Any = None            # misbehaving nodes: {3: 1000} or "3=1000" (node 3 sends x1000)
     task: Any = "synthetic"          # synthetic | digits | module:attr | a task object
     split: str = "iid"               # iid | dirichlet:ALPHA
     steps: int = 200                 # local steps per node
@@ -53,6 +63,8 @@ class SimConfig:
     compute: Any = "fixed:0.01"      # step-time model (ComputeModel or spec string)
     slow: Any = None                 # {node: slowdown factor} or "3=5,7=2"
     timeout: float = 30.0            # how long a synchronous round waits (simulated seconds)
+    faults: Any = None               # ["crash:3@1.0", "join:3@2.5", "partition:0-3|4-7@1-2"] (gossip.faults)
+    detect: float = 3.0              # seconds before survivors act on a crash or partition
     # what is recorded
     eval_every: int = 0              # local steps between evaluations (0: about 20 points per run)
     device: str = "cpu"
@@ -71,10 +83,22 @@ class SimConfig:
             raise ValueError(f"eval_every must be a non-negative integer, got {self.eval_every!r}")
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if not (isinstance(self.detect, (int, float)) and self.detect >= 0):
+            raise ValueError(f"detect must be a number of seconds >= 0, got {self.detect!r}")
+        parse_faults(self.faults, self.nodes)
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         parse_split(self.split)
-        make_rule(self.algorithm, self.compression, gamma=self.gamma)  # a bad codec, gamma or pairing fails here
+        # a bad codec, gamma, staleness or pairing fails here, not at the first round
+        make_rule(self.algorithm, self.compression, gamma=self.gamma, asynchronous=self.asynchronous,
+                  staleness=self.staleness, clip=self.clip)
+        parse_byzantine(self.byzantine, self.nodes)
+        build_policies(parse_link_policies(self.link_policy), **self.rule_settings())
+
+    def rule_settings(self) -> dict[str, Any]:
+        """The run-wide mixing settings that link policies default to."""
+        return {"algorithm": self.algorithm, "codec": self.compression, "period": self.period, "gamma": self.gamma,
+                "asynchronous": self.asynchronous, "staleness": self.staleness}
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
@@ -131,15 +155,23 @@ class _Recorder:
         self.scratch_state = FlatState(self.scratch)
         self.last_sample = -1
 
+    def live(self) -> list[Node]:
+        """The nodes that count: crashed (or not yet joined) ones are out."""
+        sim = getattr(self, "sim", None)
+        nodes = sim.nodes if sim is not None else self.nodes
+        bad = parse_byzantine(self.cfg.byzantine, self.cfg.nodes)  # honest figures only
+        return [n for i, n in enumerate(nodes) if (sim is None or not sim.down[i]) and i not in bad] or nodes
+
     def evaluate_average(self) -> dict[str, float]:
-        self.scratch_state.load_(average_params([n.state.flat for n in self.nodes]))
+        self.scratch_state.load_(average_params([n.state.flat for n in self.live()]))
         return self.task.evaluate(self.scratch, self.cfg.device)
 
     def sample(self, sim: Simulator) -> dict[str, Any]:
         mean_step = sim.steps_done / self.n
         avg = self.evaluate_average()
-        per_node = [self.task.evaluate(n.model, self.cfg.device) for n in self.nodes]
-        train = [n.pop_mean_loss() for n in self.nodes]
+        live = self.live()
+        per_node = [self.task.evaluate(n.model, self.cfg.device) for n in live]
+        train = [n.pop_mean_loss() for n in live]
         train = [x for x in train if not math.isnan(x)]
         rec = {
             "event": "eval",
@@ -148,9 +180,10 @@ class _Recorder:
             "train_loss": sum(train) / len(train) if train else math.nan,
             "loss": avg["loss"],
             "accuracy": avg.get("accuracy", math.nan),
-            "mean_node_loss": sum(p["loss"] for p in per_node) / self.n,
-            "mean_node_accuracy": sum(p.get("accuracy", math.nan) for p in per_node) / self.n,
-            "consensus_distance": consensus_distance([n.state.flat for n in self.nodes]),
+            "mean_node_loss": sum(p["loss"] for p in per_node) / len(per_node),
+            "mean_node_accuracy": sum(p.get("accuracy", math.nan) for p in per_node) / len(per_node),
+            "consensus_distance": consensus_distance([n.state.flat for n in live]),
+            "nodes_up": len(live),
             "bytes_sent": sum(sim.bytes_sent),
             **{f"bytes_{cls}": b for cls, b in sorted(self.network.bytes_by_class.items())},
             "wall": time.perf_counter() - self.wall_start,
@@ -175,14 +208,25 @@ class _Recorder:
             self.bar.update(done / self.n, f"step {done / self.n:.0f}/{self.cfg.steps} sim {sim.now:.2f}s")
 
 
-def build_nodes(cfg: SimConfig, task: Any, topology: Any) -> list[Node]:
-    """The simulated nodes: ids and indices 0..n-1, one mixing rule each."""
-    members = list(range(cfg.nodes))
+def build_node(cfg: SimConfig, task: Any, topology: Any, i: int, members: list[int]) -> Node:
+    """Simulated node ``i``: id i, data shard i, mixing rules of its own."""
     # in-process peers run this same node code and never send non-finite values
-    node_cfg = NodeConfig(cfg.steps, cfg.period, float(cfg.timeout), check_payloads=False)
-    return [Node(i, members, topology, task, make_rule(cfg.algorithm, cfg.compression, gamma=cfg.gamma,
-                                                       topology=topology),
-                 node_cfg, seed=cfg.seed, split=cfg.split, device=cfg.device) for i in members]
+    node_cfg = NodeConfig(cfg.steps, cfg.period, float(cfg.timeout), check_payloads=False, overlap=cfg.overlap)
+    factor = parse_byzantine(cfg.byzantine, cfg.nodes).get(i)
+    if factor is not None:
+        rule: Any = ScaledSender(factor)  # the misbehaving node of a robustness experiment
+    else:
+        rule = make_rule(cfg.algorithm, cfg.compression, gamma=cfg.gamma, topology=topology,
+                         asynchronous=cfg.asynchronous, staleness=cfg.staleness, clip=cfg.clip)
+    per_class = build_policies(parse_link_policies(cfg.link_policy), **cfg.rule_settings(), topology=topology)
+    return Node(i, members, topology, task, rule, node_cfg, seed=cfg.seed, split=cfg.split, rank=i,
+                world_size=cfg.nodes, device=cfg.device, policies=per_class)
+
+
+def build_nodes(cfg: SimConfig, task: Any, topology: Any) -> list[Node]:
+    """The simulated nodes: ids and indices 0..n-1."""
+    members = list(range(cfg.nodes))
+    return [build_node(cfg, task, topology, i, members) for i in members]
 
 
 class Simulation:
@@ -228,8 +272,22 @@ class Simulation:
             self.recorder = _Recorder(cfg, self.task, self.nodes, self.network, self._out, self.bar, self.wall_start)
             # the hook runs at every sample point, or once per mean step when a progress bar is drawn
             every = self.recorder.every * cfg.nodes if not self.bar.enabled else cfg.nodes
+            full = self.topology
+            dcs = [full.dc(i) for i in range(cfg.nodes)]
+
+            def topology_of(ids: list[int]) -> Any:
+                if len(ids) == cfg.nodes:
+                    return full
+                return topology_for(cfg.topology, len(ids), seed=cfg.seed,
+                                    dcs=[dcs[i] for i in ids] if len(set(dcs)) > 1 else None)
+
+            def make_node(i: int) -> Node:
+                return build_node(cfg, self.task, full, i, list(range(cfg.nodes)))
+
             self.sim = Simulator(self.nodes, self.network, compute, seed=cfg.seed, on_step=self.recorder.on_step,
-                                 step_every=every)
+                                 step_every=every, faults=parse_faults(cfg.faults, cfg.nodes), make_node=make_node,
+                                 topology_for=topology_of, detect=float(cfg.detect))
+            self.recorder.sim = self.sim
 
     @property
     def now(self) -> float:
@@ -250,7 +308,8 @@ class Simulation:
         """The final figures; runs to the end first if needed (and writes the summary line)."""
         if not self.sim.done:
             self.run()
-        cfg, rec, sim, network, nodes = self.config, self.recorder, self.sim, self.network, self.nodes
+        cfg, rec, sim, network = self.config, self.recorder, self.sim, self.network
+        nodes = sim.nodes  # crashed nodes that rejoined are new objects
         with _threads(cfg.threads):
             if not rec.history or rec.last_sample != sim.steps_done:
                 rec.sample(sim)
@@ -262,6 +321,8 @@ class Simulation:
             "algorithm": cfg.algorithm,
             "compression": cfg.compression,
             "period": cfg.period,
+            "asynchronous": cfg.asynchronous,
+            "overlap": cfg.overlap,
             "task": cfg.task if isinstance(cfg.task, str) else type(cfg.task).__name__,
             "split": str(parse_split(cfg.split)),
             "steps": cfg.steps,
@@ -276,6 +337,8 @@ class Simulation:
             "bytes_intra": network.bytes_by_class.get("intra", 0),
             "bytes_inter": network.bytes_by_class.get("inter", 0),
             "messages_lost": network.lost,
+            "clipped": sum(getattr(n.rule, "clipped", 0) for n in nodes),
+            "faults": [f"{t:.3f}s {what}" for t, what in sim.fault_log],
             "missing_neighbors": sum(n.mix_totals.missing for n in nodes),
             "rejected": sum(sum(n.rejected.values()) for n in nodes),
             "sim_time_s": sim.now,
@@ -283,16 +346,23 @@ class Simulation:
         }
         if "perplexity" in last:
             summary["final_perplexity"] = last["perplexity"]
-        report = nodes[0].rule.report()
-        summary["rule"] = report["rule"]
-        for key in ("gamma", "gaps", "resyncs"):
-            if key in report:
-                summary[key] = report[key] if key == "gamma" else sum(n.rule.report()[key] for n in nodes)
+        for ch_index, ch in enumerate(nodes[0].channels):
+            prefix = "" if ch.name == "all" else f"{ch.name}_"
+            report = ch.rule.report()
+            summary[prefix + "rule"] = report["rule"]
+            if "gamma" in report:
+                summary[prefix + "gamma"] = report["gamma"]
+            for key in ("gaps", "resyncs", "superseded"):
+                if key in report:
+                    summary[prefix + key] = sum(n.channels[ch_index].rule.report()[key] for n in nodes)
+            if "mean_staleness" in report:
+                summary[prefix + "mean_staleness"] = sum(
+                    n.channels[ch_index].rule.report()["mean_staleness"] for n in nodes) / len(nodes)
         if self._out is not None:
             self._out.write(json.dumps({"event": "summary", **summary}) + "\n")
             self._out.flush()
         self.close()
-        return SimulationResult(cfg, rec.history, summary, [n.state.snapshot().cpu() for n in nodes])
+        return SimulationResult(cfg, rec.history, summary, [n.state.snapshot().cpu() for n in sim.nodes])
 
     def close(self) -> None:
         if self._close and self._out is not None:

@@ -51,6 +51,9 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int, *, 
         os.close(dir_fd)
     for old in sorted(p for p in directory.iterdir() if _NAME.match(p.name))[:-keep]:
         old.unlink(missing_ok=True)
+    for stale in directory.glob(".ckpt-*.tmp"):  # left by a writer killed mid-write (one node per directory)
+        if stale.name != os.path.basename(tmp):
+            stale.unlink(missing_ok=True)
     return target
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
-__all__ = ["Member", "Membership", "parse_address", "endpoint"]
+__all__ = ["Member", "Membership", "parse_address", "endpoint", "topology_for"]
 
 log = logging.getLogger("gossip.membership")
 
@@ -81,6 +81,8 @@ class Membership:
     # announced joins (id -> first round it takes part in)
     base: set[str] = field(default_factory=set)
     joins: dict[str, int] = field(default_factory=dict)
+    leaves: dict[str, int] = field(default_factory=dict)  # id -> first round it no longer takes part in
+    leave_margin: int = 5  # rounds between announcing a death or goodbye and adopting it
 
     def __post_init__(self) -> None:
         self.members[self.self_id] = Member(self.self_id, self.incarnation, 0.0, "waiting", dc=self.dc,
@@ -187,8 +189,9 @@ class Membership:
                 self.members[mid] = m
             return False
         (self.departed if departed else self.dead)[mid] = m.incarnation
-        self.base.discard(mid)
-        self.joins.pop(mid, None)  # a restarted life must be announced afresh
+        # it leaves the topology at a round everyone adopts (announced to all), so
+        # synchronous rounds stay aligned; until then its weight goes to self
+        self.announce_leave(mid, self.max_round() + self.leave_margin)
         self.version += 1
         log.warning("member %s removed: %s", mid, reason)
         return True
@@ -214,6 +217,11 @@ class Membership:
     def announce_join(self, mid: str, round: int) -> bool:
         """``mid`` takes part from ``round`` on; the earliest announcement wins
         (every node keeps the same one once all have heard both)."""
+        left = self.leaves.get(mid)
+        if left is not None and left <= round:  # a restarted node: a new life, announced afresh
+            self.base.discard(mid)
+            self.joins.pop(mid, None)
+            del self.leaves[mid]
         old = self.joins.get(mid)
         if mid in self.base or (old is not None and old <= round):
             return False
@@ -221,8 +229,51 @@ class Membership:
         self.version += 1
         return True
 
+    def announce_leave(self, mid: str, round: int) -> bool:
+        """``mid`` no longer takes part from ``round`` on; the earliest announcement wins."""
+        old = self.leaves.get(mid)
+        if mid == self.self_id or (old is not None and old <= round):
+            return False
+        if mid not in self.base and mid not in self.joins:
+            return False  # it never trained with us
+        self.leaves[mid] = round
+        self.version += 1
+        return True
+
     def at_round(self, rnd: int) -> list[str]:
-        """The ordered members that train in round ``rnd`` (alive ones only)."""
-        ids = [m for m in self.base if m in self.members]
-        ids += [m for m, r in self.joins.items() if r <= rnd and m in self.members and m not in self.base]
+        """The ordered members that train in round ``rnd``.
+
+        A member that died or left stays listed until its announced leave round
+        (its messages are simply missing until then); a joiner appears from its
+        announced join round.
+        """
+        def active(m: str) -> bool:
+            start = -1 if m in self.base else self.joins.get(m)
+            return start is not None and start <= rnd < self.leaves.get(m, rnd + 1)
+
+        ids = {m for m in self.base if active(m)} | {m for m in self.joins if active(m)}
         return sorted(ids, key=self.order_key)
+
+
+def topology_for(spec: Any, n: int, *, seed: int = 0, dcs: list[Any] | None = None) -> Any:
+    """The topology for ``n`` members, as every member computes it.
+
+    ``hierarchical`` takes its datacenter sizes from ``dcs`` (the members' labels,
+    in member order) when given, keeping its intra=/inter= options. A spec that
+    does not fit ``n`` members (``torus:4x4`` after a death) falls back to a
+    ring, with a warning: a cluster that shrinks keeps training.
+    """
+    from topologies import build
+
+    if isinstance(spec, str):
+        name, _, args = spec.partition(":")
+        if name.strip() == "hierarchical" and dcs is not None:
+            sizes = [sum(1 for d in dcs if d == label) for label in dict.fromkeys(dcs)]
+            options = [a for a in args.split(",") if "=" in a]
+            spec = "hierarchical:" + ",".join([*map(str, sizes), *options]) if len(sizes) > 1 else "complete"
+    try:
+        return build(spec, n, seed=seed)
+    except ValueError as e:
+        log.warning("topology %r does not fit %d members (%s); using a ring", spec if isinstance(spec, str)
+                    else "custom graph", n, e)
+        return build("ring", n, seed=seed)

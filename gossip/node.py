@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Sequence
 
 import torch
@@ -61,6 +62,7 @@ class Wait:
 
 Action = Compute | Send | Wait
 COMPUTE = Compute()
+GUARD_EVERY = 50  # good local steps between snapshots the NaN guard can go back to
 
 
 @dataclass(frozen=True)
@@ -70,15 +72,19 @@ class NodeConfig:
     steps : local optimizer steps to run
     period : local steps between two exchanges (1 = D-PSGD, larger = local SGD)
     timeout : how long a synchronous round waits for a neighbour, in driver seconds
-    check_payloads : decode every arriving payload and reject non-finite ones before
-        they reach the inbox. Real nodes must; the simulator's in-process peers run
+    check_payloads : decode every arriving payload and reject non-finite ones, and
+        messages not newer (by sequence number) than the sender's last accepted one,
+        before they reach the inbox. Real nodes must; the simulator's in-process peers run
         this same code, which never sends non-finite parameters, so it may skip it.
+    overlap : a synchronous round's messages travel while the next local steps
+        compute; they are mixed at the following exchange (SGP's overlap variant)
     """
 
     steps: int
     period: int = 1
     timeout: float = 30.0
     check_payloads: bool = True  # decode and check every payload on arrival (input from a network)
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or self.steps < 0:
@@ -87,6 +93,39 @@ class NodeConfig:
             raise ValueError(f"period must be a positive integer, got {self.period!r}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout!r}")
+
+
+@dataclass
+class Channel:
+    """One mixing rule over one class of links, on its own schedule.
+
+    A node has one channel over every link (``name="all"``) unless link
+    policies split intra- and inter-datacenter links into two channels, each
+    with its own rule (sync or async, codec) and period. A channel mixes over
+    the node's topology restricted to its links, has its own inbox (messages
+    are routed by the sender's link class) and its own round counter.
+    """
+
+    name: str
+    rule: MixingRule
+    period: int
+    inbox: Inbox = field(default_factory=Inbox)
+    round: int = 0
+    topology: Any = None
+    pending: int | None = None  # overlap: a round sent but not mixed yet
+
+
+_restricted: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _links_of(topology: Any, link: str) -> Any:
+    """``topology`` restricted to one link class, built once per topology object."""
+    from topologies import restrict_links
+
+    per = _restricted.setdefault(topology, {})
+    if link not in per:
+        per[link] = restrict_links(topology, link)
+    return per[link]
 
 
 def init_model(task: Any, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
@@ -115,12 +154,27 @@ class Node:
     def __init__(self, node_id: Any, members: Sequence[Any], topology: Any, task: Any, rule: MixingRule,
                  config: NodeConfig, *, seed: int = 0, split: Any = "iid", rank: int | None = None,
                  world_size: int | None = None, device: torch.device | str = "cpu",
-                 model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
+                 model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 policies: dict[str, tuple[MixingRule, int]] | None = None) -> None:
         self.id = node_id
         self.task = task
-        self.rule = rule
         self.config = config
         self.device = torch.device(device)
+        if policies:
+            for link in policies:
+                if link not in ("intra", "inter"):
+                    raise ValueError(f"link policies are per 'intra' or 'inter' links, got {link!r}")
+            # intra before inter: average within the datacenter, then across
+            order = {"intra": 0, "inter": 1}
+            self.channels = [Channel(link, r, period)
+                             for link, (r, period) in sorted(policies.items(), key=lambda kv: order[kv[0]])]
+        else:
+            self.channels = [Channel("all", rule, config.period)]
+        for ch in self.channels:
+            ch.rule.overlap = config.overlap and ch.rule.synchronous
+        self.rule = self.channels[0].rule
+        self.waiting: tuple[Channel, int] | None = None
+        self._align: int | None = None
         self.members: list[Any] = []
         self.set_members(members, topology)
         if task is not None:
@@ -137,18 +191,18 @@ class Node:
         self.state = FlatState(self.model)
         self.fingerprint = self.state.fingerprint  # checked against every arriving message
         self.numel = self.state.numel
-        self.inbox = Inbox()
         self.step = 0
-        self.round = 0
         self.seq = 0
         self.last_loss = math.nan
         self.loss_sum = 0.0  # since the last call to pop_mean_loss()
         self.loss_count = 0
         self.rejected: Counter[str] = Counter()
         self.nonfinite_steps = 0
+        self.recoveries = 0
+        self._good: torch.Tensor | None = self.state.snapshot()  # last parameters known to train finitely
         self.last_from: dict[Any, Message] = {}  # member id -> its latest accepted message
+        self.last_seq: dict[Any, int] = {}  # member id -> seq of its latest accepted message
         self.mix_totals = MixReport()
-        self.waiting = False
         self.now = 0.0
 
     # -- membership -------------------------------------------------------------------------
@@ -162,43 +216,112 @@ class Node:
         index_of = {m: i for i, m in enumerate(members)}
         if self.id not in index_of:
             raise ValueError(f"node {self.id!r} is not in its own member list")
-        inbox = getattr(self, "inbox", None)
-        if inbox is not None and members != self.members:
-            old = inbox.queues
-            inbox.queues = {index_of[self.members[i]]: q for i, q in old.items() if self.members[i] in index_of}
-            self.rule.on_members_changed(self.members, members)
+        if self.members and members != self.members:
+            for ch in self.channels:
+                old = ch.inbox.queues
+                ch.inbox.queues = {index_of[self.members[i]]: q for i, q in old.items() if self.members[i] in index_of}
+                ch.rule.on_members_changed(self.members, members)
         self.members = members
         self.index_of = index_of
-        self.index = index_of[self.id]
+        for gone in [s for s in getattr(self, "last_seq", {}) if s not in index_of]:
+            del self.last_seq[gone]  # a member that left and comes back numbers afresh
+        self.index = me = index_of[self.id]
         self.topology = topology
+        if len(self.channels) == 1:
+            self.channels[0].topology = topology
+            self._channel_of: list[Channel] | None = None  # one channel takes every message
+        else:
+            by_name = {ch.name: ch for ch in self.channels}
+            for ch in self.channels:
+                ch.topology = _links_of(topology, ch.name)
+            self._channel_of = [by_name.get(topology.link(j, me), self.channels[0]) for j in range(len(members))]
 
+    @property
+    def round(self) -> int:
+        """The first channel's round (the only one without link policies)."""
+        return self.channels[0].round
+
+    @property
+    def inbox(self) -> Inbox:
+        return self.channels[0].inbox
+
+    def adopt(self, values: torch.Tensor) -> None:
+        """Take these parameters (a neighbour's state, a checkpoint) as our own and as
+        the NaN guard's restore point."""
+        self.state.load_(values)
+        self._good = self.state.snapshot()
+
+    def align(self, rnd: int) -> None:
+        """Continue from round ``rnd`` at the next exchange if behind it (groups that
+        merge after a partition pick up the same round counter)."""
+        self._align = rnd if self._align is None else max(self._align, rnd)
+
+    def jump_to(self, step: int) -> None:
+        """Continue from local step ``step`` (a late joiner adopting the cluster's clock)."""
+        self.step = step
+        for ch in self.channels:
+            ch.round = step // ch.period
 
     # -- the program ------------------------------------------------------------------------
     def program(self) -> Generator[Action, float, None]:
-        """Train for ``config.steps`` local steps, exchanging every ``config.period``."""
+        """Train for ``config.steps`` local steps, exchanging on each channel's period."""
         cfg = self.config
+        channels = self.channels
         while self.step < cfg.steps:
             self.local_step()  # compute: one optimizer step on local data
             self.now = yield COMPUTE
-            if self.step % cfg.period == 0:
-                yield from self.exchange()
+            for ch in channels:
+                if self.step % ch.period == 0:
+                    yield from self.exchange(ch)
+        for ch in channels:  # with overlap, the last round is still in flight
+            if ch.pending is not None:
+                yield from self.complete(ch)
 
-    def exchange(self) -> Generator[Action, float, None]:
-        """One gossip round: send this round's packets, wait for the neighbours'
-        (synchronous rules), mix them in."""
-        rnd = self.round
-        out = self.outgoing(rnd)
+    def exchange(self, ch: Channel | None = None) -> Generator[Action, float, None]:
+        """One gossip round on ``ch``: send this round's packets, wait for the
+        neighbours' (synchronous rules), mix them in. With overlap, mix the
+        previous round instead and leave this one in flight."""
+        ch = ch or self.channels[0]
+        if self._align is not None:  # adopt a merged group's round counter (scaled per channel)
+            base = self.channels[0].period
+            for c in self.channels:
+                c.round = max(c.round, self._align * base // c.period)
+            self._align = None
+        if ch.rule.overlap:
+            if ch.pending is not None:
+                yield from self.complete(ch)
+            rnd = ch.round
+            out = self.outgoing(ch, rnd)
+            if out:
+                self.now = yield Send(out)
+            ch.pending = rnd
+            ch.round += 1
+            return
+        rnd = ch.round
+        out = self.outgoing(ch, rnd)
         if out:
             self.now = yield Send(out)
-        if self.rule.synchronous and not self.ready_for(rnd):
-            self.waiting = True
+        if ch.rule.synchronous and not ch.rule.ready(ch.inbox, ch.topology, self.index, rnd):
+            self.waiting = (ch, rnd)
             self.now = yield Wait(self.config.timeout)
-            self.waiting = False
-        self.mix(rnd)
+            self.waiting = None
+        self.mix(ch, rnd)
+        ch.round += 1
 
-    def outgoing(self, rnd: int) -> list[tuple[Any, Message]]:
-        """The rule's packets for round ``rnd``, stamped as messages to member ids."""
-        packets = self.rule.outgoing(self.state.flat, self.topology, self.index, rnd)
+    def complete(self, ch: Channel) -> Generator[Action, float, None]:
+        """Wait for (synchronous rules) and mix the round ``ch`` has in flight."""
+        rnd = ch.pending
+        assert rnd is not None
+        if ch.rule.synchronous and not ch.rule.ready(ch.inbox, ch.topology, self.index, rnd):
+            self.waiting = (ch, rnd)
+            self.now = yield Wait(self.config.timeout)
+            self.waiting = None
+        ch.pending = None
+        self.mix(ch, rnd)
+
+    def outgoing(self, ch: Channel, rnd: int) -> list[tuple[Any, Message]]:
+        """``ch``'s packets for round ``rnd``, stamped as messages to member ids."""
+        packets = ch.rule.outgoing(self.state.flat, ch.topology, self.index, rnd)
         if not packets:
             return []
         self.seq += 1
@@ -210,23 +333,32 @@ class Node:
             out.append((self.members[j], msg))
         return out
 
-    def mix(self, rnd: int) -> MixReport:
-        """Let the rule combine what arrived for round ``rnd``; advances the round."""
-        report = self.rule.mix(self.state.flat, self.inbox, self.topology, self.index, rnd, self.step)
+    def mix(self, ch: Channel, rnd: int) -> MixReport:
+        """Let ``ch``'s rule combine what arrived for round ``rnd``."""
+        report = ch.rule.mix(self.state.flat, ch.inbox, ch.topology, self.index, rnd, self.step)
         t = self.mix_totals
         t.mixed += report.mixed
         t.missing += report.missing
         t.late += report.late
         if report.missing:
             log.debug("node %s: round %d mixed without %d neighbour(s)", self.id, rnd, report.missing)
-        self.round += 1
         return report
+
+    def expected(self) -> list[Any]:
+        """Member ids whose message the node waits for now (empty when not waiting)."""
+        if self.waiting is None:
+            return []
+        ch, rnd = self.waiting
+        return [self.members[j] for j in ch.rule.expected_senders(ch.topology, self.index, rnd)]
 
     def local_step(self) -> float:
         """One optimizer step on the next local minibatch; returns the loss.
 
-        A non-finite loss skips the update (NaN guard): the parameters stay as they
-        were, so the node never sends non-finite values, and the step is counted.
+        NaN guard: a non-finite loss means the parameters (or the data) went bad,
+        by divergence or by mixing in something hostile. The update is skipped, the
+        parameters go back to the last good snapshot (taken every ``GUARD_EVERY``
+        good steps) with fresh optimizer state, and the step is counted, so the node
+        never sends non-finite values and carries on.
         """
         batch = self.stream.next()
         self.optimizer.zero_grad(set_to_none=True)
@@ -234,15 +366,28 @@ class Node:
         value = float(loss.detach())
         self.step += 1
         if not math.isfinite(value):
-            self.nonfinite_steps += 1
-            log.warning("node %s: non-finite loss at step %d; update skipped", self.id, self.step)
+            self._recover(value)
             return value
         loss.backward()
         self.optimizer.step()
+        if self.step % GUARD_EVERY == 0:
+            self._good = self.state.snapshot()
         self.last_loss = value
         self.loss_sum += value
         self.loss_count += 1
         return value
+
+    def _recover(self, value: float) -> None:
+        self.nonfinite_steps += 1
+        n = self.nonfinite_steps
+        if n & (n - 1) == 0:  # logged at the 1st, 2nd, 4th, 8th, ... occurrence
+            log.warning("node %s: non-finite loss (%s) at step %d, %d so far: restoring the last good parameters",
+                        self.id, value, self.step, n)
+        if self._good is not None:
+            self.state.load_(self._good)
+        if self.optimizer is not None:
+            self.optimizer.state.clear()  # momentum built from bad gradients goes too
+        self.recoveries += 1
 
     def pop_mean_loss(self) -> float:
         """Mean training loss since the last call (nan if no step ran)."""
@@ -251,12 +396,12 @@ class Node:
         return mean
 
     # -- incoming ---------------------------------------------------------------------------
-    def ready_for(self, rnd: int) -> bool:
-        return self.rule.ready(self.inbox, self.topology, self.index, rnd)
-
     def ready(self) -> bool:
         """True when a waiting node has what it waits for (the driver asks after each delivery)."""
-        return self.ready_for(self.round)
+        if self.waiting is None:
+            return True
+        ch, rnd = self.waiting
+        return ch.rule.ready(ch.inbox, ch.topology, self.index, rnd)
 
     def deliver(self, msg: Message) -> bool:
         """File an arrived state message for mixing; returns False (and counts the
@@ -265,21 +410,33 @@ class Node:
         if reason is not None:
             self.rejected[reason] += 1
             return False
-        self.inbox.add(self.index_of[msg.sender], msg)
+        src = self.index_of[msg.sender]
+        channel_of = self._channel_of
+        (self.channels[0] if channel_of is None else channel_of[src]).inbox.add(src, msg)
         self.last_from[msg.sender] = msg
+        self.last_seq[msg.sender] = msg.seq
         return True
+
+    def forget_sender(self, sender: Any) -> None:
+        """``sender`` restarted (a new life of the same id): its sequence numbers start again."""
+        self.last_seq.pop(sender, None)
 
     def _check(self, msg: Message) -> str | None:
         if msg.kind != STATE:
             return "kind"
         if msg.sender == self.id or msg.sender not in self.index_of:
             return "not-member"
-        if msg.fingerprint != self.fingerprint and msg.fingerprint:
-            return "fingerprint"
+        if msg.fingerprint != self.fingerprint and (msg.fingerprint or self.config.check_payloads):
+            return "fingerprint"  # only in-process messages may leave it empty
         data = msg.data
         if data is None or data.numel != self.numel:
             return "size"
         if self.config.check_payloads:
+            # a sender numbers its messages 1, 2, ...: anything not newer than the last
+            # accepted one is a duplicate or a replay (checked before the costly decode)
+            last = self.last_seq.get(msg.sender)
+            if last is not None and msg.seq <= last:
+                return "replay"
             try:
                 msg.tensor = decode_payload(msg, self.state.flat)
             except CodecError:
@@ -294,7 +451,11 @@ class Node:
     def neighbor_distance(self) -> float:
         """Mean squared distance to the parameters last received from each current
         neighbour (what a real node can measure of consensus); nan if none yet."""
-        models = self.rule.neighbor_models() if hasattr(self.rule, "neighbor_models") else None
+        models = None
+        if all(hasattr(ch.rule, "neighbor_models") for ch in self.channels):
+            models = {}
+            for ch in self.channels:
+                models.update(ch.rule.neighbor_models())
         if models is None:
             models = {}
             for sender, msg in self.last_from.items():
@@ -311,10 +472,12 @@ class Node:
             "fingerprint": self.fingerprint,
             "step": self.step,
             "round": self.round,
+            "rounds": [ch.round for ch in self.channels],
             "seq": self.seq,
             "flat": self.state.snapshot().cpu(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "rule": self.rule.state_dict(),
+            "rules": [ch.rule.state_dict() for ch in self.channels],
             "stream": self.stream.state_dict() if hasattr(self.stream, "state_dict") else None,
         }
 
@@ -322,12 +485,17 @@ class Node:
         if state.get("fingerprint") != self.fingerprint:
             raise ValueError(f"checkpoint is for model fingerprint {state.get('fingerprint')!r}, "
                              f"this node's model is {self.fingerprint!r}")
-        self.state.load_(state["flat"].to(self.device))
+        self.adopt(state["flat"].to(self.device))
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        self.rule.load_state_dict(state.get("rule") or {})
+        rules = state.get("rules") or [state.get("rule") or {}]
+        if len(rules) != len(self.channels):
+            raise ValueError(f"checkpoint has {len(rules)} mixing channel(s), this node {len(self.channels)}")
+        for ch, rs in zip(self.channels, rules):
+            ch.rule.load_state_dict(rs or {})
         if state.get("stream") is not None and self.stream is not None and hasattr(self.stream, "load_state_dict"):
             self.stream.load_state_dict(state["stream"])
         self.step = int(state["step"])
-        self.round = int(state["round"])
+        for ch, r in zip(self.channels, state.get("rounds") or [int(state["round"])]):
+            ch.round = int(r)
         self.seq = int(state.get("seq", 0))

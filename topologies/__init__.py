@@ -57,7 +57,7 @@ from .builders import (
 )
 from .convert import from_file, from_networkx, to_file
 from .spec import SPEC_NAMES, SPEC_WEIGHTS, build
-from .topology import Topology
+from .topology import Topology, restrict_links
 from .weights import (
     WEIGHT_RULES,
     apply_weights,
@@ -69,6 +69,7 @@ from .weights import (
 )
 
 __all__ = [
+    "restrict_links",
     "HIERARCHICAL_INTER",
     "HIERARCHICAL_INTRA",
     "SPEC_NAMES",

@@ -186,3 +186,37 @@ class Topology:
         if link is None:
             link = "intra" if self._dc[u] == self._dc[v] else "inter"
         return link
+
+
+def restrict_links(topology: Topology, link: str) -> Topology:
+    """The topology's graphs keeping only edges of link class ``link`` ("intra"
+    or "inter"); each node's self weight takes the weight of the edges removed.
+
+    Used for link policies: mixing over intra-datacenter links on one schedule
+    and over inter-datacenter links on another. Each restricted matrix stays
+    row-stochastic (and doubly stochastic when the original was symmetric).
+    The result is generally not connected, so it is not checked for that.
+
+    Examples
+    --------
+    >>> from topologies import build
+    >>> t = build("hierarchical:2,2", 4)
+    >>> sorted(restrict_links(t, "inter").in_weights(0))
+    [0, 2]
+    """
+    if link not in ("intra", "inter"):
+        raise ValueError(f"link must be 'intra' or 'inter', got {link!r}")
+    graphs = []
+    for r in range(topology.period):
+        G = topology.graph(r)
+        H = nx.DiGraph()
+        H.add_nodes_from(G.nodes(data=True))
+        incoming = dict.fromkeys(G.nodes, 0.0)
+        for u, v, data in G.edges(data=True):
+            if u != v and data.get("link", "intra") == link:
+                H.add_edge(u, v, **data)
+                incoming[v] += data["weight"]
+        for v in G.nodes:
+            H.add_edge(v, v, weight=1.0 - incoming[v], link="intra")
+        graphs.append(H)
+    return Topology(graphs, spec=f"{topology.spec}[{link}]", validate=False)

@@ -117,6 +117,7 @@ class MixingRule:
 
     name = "rule"
     synchronous = True
+    overlap = False  # set by the node: mix a round one exchange later, while the next one computes
 
     def __init__(self, codec: Codec | str = "none") -> None:
         self.codec = get_codec(codec) if isinstance(codec, str) else codec

@@ -43,6 +43,7 @@ import torch
 
 from gossip.compression import Codec, get_codec, get_decoder
 from gossip.message import Packet
+from gossip.mixing.staleness import parse_staleness
 from gossip.mixing.base import Inbox, MixingRule, MixReport
 
 __all__ = ["ChocoRule", "check_choco_topology", "parse_gamma"]
@@ -125,6 +126,9 @@ class ChocoRule(MixingRule):
         :func:`gossip.mixing.tune.tune_gamma` on the topology's mixing matrix
 
     With the identity codec and ``gamma=1`` it reproduces plain gossip (D-PSGD).
+    ``asynchronous=True`` never waits for a round: it applies the messages that
+    arrived (numbered, in order; a gap still triggers a resync) and weights each
+    neighbour by ``staleness`` (see :mod:`gossip.mixing.staleness`).
 
     Counters (cumulative): ``gaps`` (times a neighbour's copy went out of step),
     ``resyncs_requested``, ``resyncs_sent`` (full snapshots sent) and ``resyncs``
@@ -134,8 +138,13 @@ class ChocoRule(MixingRule):
     name = "choco"
     synchronous = True
 
-    def __init__(self, codec: Codec | str = "none", gamma: float | str | None = None) -> None:
+    def __init__(self, codec: Codec | str = "none", gamma: float | str | None = None, *,
+                 asynchronous: bool = False, staleness: Any = None) -> None:
         super().__init__(codec)
+        # asynchronous: never wait; mix each neighbour's public copy weighted by W_ij f(staleness)
+        self.synchronous = not asynchronous
+        self.decay = parse_staleness(staleness)
+        self.progress_of: dict[int, int] = {}  # in-neighbour -> progress of the last message applied
         gamma = parse_gamma(gamma)
         self.gamma_spec = gamma
         self.gamma: float | None = self.codec.default_gamma if gamma is None else (None if gamma == "auto" else gamma)
@@ -270,41 +279,75 @@ class ChocoRule(MixingRule):
             elif self._distance(topology, me, t) < self._distance(topology, sender, t):
                 self.relay[key] = None  # we are on a shortest way to the target: pass it on
 
+    def ready(self, inbox: Inbox, topology: Any, me: int, rnd: int) -> bool:
+        return True if not self.synchronous else super().ready(inbox, topology, me, rnd)
+
+    def _apply(self, topology: Any, me: int, j: int, msg: Any, x: torch.Tensor, copy: torch.Tensor, rnd: int) -> bool:
+        """Apply one message of neighbour ``j`` to our copy of x_hat_j; False if it
+        could not be (a gap, a repeat, or a neighbour we are out of step with)."""
+        extra = msg.extra if isinstance(msg.extra, dict) else {}
+        if "resync" in extra:
+            self._read_requests(topology, me, j, rnd, extra["resync"])
+        n = _cseq(extra)
+        if n is not None and extra.get("full") is True:
+            copy.copy_(self.decode(msg, x))
+            self.expect[j] = n + 1
+            self.unsynced.discard(j)
+            self.asked.pop(j, None)
+            self.resyncs += 1
+        elif n is not None and j not in self.unsynced and n == self.expect[j]:
+            copy.add_(self.decode(msg, x))
+            self.expect[j] = n + 1
+        else:  # never apply it
+            if j not in self.unsynced:
+                self._lose(j)
+            return False
+        self.progress_of[j] = msg.progress
+        return True
+
     def mix(self, x: torch.Tensor, inbox: Inbox, topology: Any, me: int, rnd: int, progress: int) -> MixReport:
         self._prepare(x, topology)
         weights = self.round_weights(topology, me, rnd)[0]
         report = MixReport()
         terms: list[tuple[float, torch.Tensor]] = []
-        for j in sorted(weights):
-            if j == me:
-                continue
-            msg, stale = inbox.take_round(j, rnd)
-            report.late += stale
-            copy = self._copy(j, x)
-            if msg is None:
-                if j not in self.unsynced:
-                    self._lose(j)
-                report.missing += 1
-                continue
-            extra = msg.extra if isinstance(msg.extra, dict) else {}
-            if "resync" in extra:
-                self._read_requests(topology, me, j, rnd, extra["resync"])
-            n = _cseq(extra)
-            if n is not None and extra.get("full") is True:
-                copy.copy_(self.decode(msg, x))
-                self.expect[j] = n + 1
-                self.unsynced.discard(j)
-                self.asked.pop(j, None)
-                self.resyncs += 1
-            elif n is not None and j not in self.unsynced and n == self.expect[j]:
-                copy.add_(self.decode(msg, x))
-                self.expect[j] = n + 1
-            else:  # a gap, a repeat, or a peer we are out of step with: never apply it
-                if j not in self.unsynced:
-                    self._lose(j)
-                report.missing += 1
-                continue
-            terms.append((weights[j], copy))
+        if self.synchronous:
+            for j in sorted(weights):
+                if j == me:
+                    continue
+                msg, stale = inbox.take_round(j, rnd)
+                report.late += stale
+                copy = self._copy(j, x)
+                if msg is None:
+                    if j not in self.unsynced:
+                        self._lose(j)
+                    report.missing += 1
+                    continue
+                if not self._apply(topology, me, j, msg, x, copy, rnd):
+                    report.missing += 1
+                    continue
+                terms.append((weights[j], copy))
+        else:
+            # asynchronous: apply whatever arrived, in order, then mix every neighbour whose
+            # copy is in step, weighted by how stale its latest message is
+            stale_total = 0.0
+            for j in sorted(inbox.senders()):
+                if j not in weights or j == me:
+                    report.late += len(inbox.take_all(j))  # not a neighbour (any more)
+            for j in sorted(weights):
+                if j == me:
+                    continue
+                copy = self._copy(j, x)
+                for msg in inbox.take_all(j):
+                    self._apply(topology, me, j, msg, x, copy, rnd)
+                if j in self.unsynced or j not in self.progress_of:
+                    continue
+                s = max(0, progress - self.progress_of[j])
+                w = weights[j] * self.decay(s)
+                if w > 0:
+                    terms.append((w, copy))
+                    stale_total += s
+            if terms:
+                report.staleness = stale_total / len(terms)
         if terms:
             # x_i += gamma * sum_j w_ij (x_hat_j - x_hat_i); unsynced neighbours' weight goes to self
             gamma = self.gamma

@@ -43,12 +43,23 @@ class GossipRule(MixingRule):
     name = "gossip"
     synchronous = True
 
+    def __init__(self, codec: Any = "none", clip: float | str | None = None) -> None:
+        super().__init__(codec)
+        self._sent: dict[int, torch.Tensor] = {}  # overlap: snapshots of rounds not mixed yet
+        if clip is not None and clip != "auto" and not (isinstance(clip, (int, float)) and clip > 0):
+            raise ValueError(f"clip must be a positive radius or 'auto', got {clip!r}")
+        self.clip = clip
+        self.clipped = 0  # neighbour differences shortened so far
+
     def outgoing(self, x: torch.Tensor, topology: Any, me: int, rnd: int) -> list[tuple[int, Packet]]:
         self.round_weights(topology, me, rnd)
         receivers = self.receivers
         if not receivers:
             return []
-        packet = Packet(self.codec.encode(x.clone()))  # one snapshot shared by every receiver
+        snap = x.clone()
+        if self.overlap:
+            self._sent[rnd] = snap  # the mix of this round happens later, against this reference
+        packet = Packet(self.codec.encode(snap))  # one snapshot shared by every receiver
         return [(j, packet) for j in receivers]
 
     def mix(self, x: torch.Tensor, inbox: Inbox, topology: Any, me: int, rnd: int, progress: int) -> MixReport:
@@ -66,7 +77,47 @@ class GossipRule(MixingRule):
                 report.missing += 1
                 continue
             terms.append((weights[j], self.decode(msg, x)))
-        if terms:
+        ref = self._sent.pop(rnd, None) if self.overlap else None
+        if terms and self.clip is not None:
+            self._clipped_mix(x, terms, ref)
             report.mixed = len(terms)
-            weighted_sum_(x, self_w, terms)
+        elif terms:
+            report.mixed = len(terms)
+            if ref is None:
+                weighted_sum_(x, self_w, terms)
+            else:
+                # overlap: local steps ran since we sent ``ref``; keep them and apply the
+                # averaging correction computed on the snapshots: x += sum_j w_ij (x_j - ref)
+                taken = 0.0
+                for w, t in terms:
+                    x.add_(t, alpha=w)
+                    taken += w
+                x.add_(ref, alpha=-taken)
         return report
+
+    def _clipped_mix(self, x: torch.Tensor, terms: list[tuple[float, torch.Tensor]], ref: torch.Tensor | None) -> None:
+        """Clipped gossip (He et al., 2022): x += sum_j w_ij clip(x_j - x_i, tau).
+
+        No neighbour can move us further than ``w_ij * tau``, whatever it sends.
+        ``tau="auto"`` is the lower median of the neighbours' distances, so a
+        minority of misbehaving neighbours cannot choose it.
+        """
+        base = x if ref is None else ref
+        diffs = [(w, t - base) for w, t in terms]
+        norms = [float(torch.linalg.vector_norm(d)) for _, d in diffs]
+        if self.clip == "auto":
+            tau = sorted(norms)[(len(norms) - 1) // 2]
+        else:
+            tau = float(self.clip)
+        for (w, d), n in zip(diffs, norms):
+            scale = 1.0
+            if n > tau:
+                scale = tau / n if n > 0 else 0.0
+                self.clipped += 1
+            x.add_(d, alpha=w * scale)
+
+    def report(self) -> dict[str, Any]:
+        out = {"rule": self.name}
+        if self.clip is not None:
+            out.update(clip=self.clip, clipped=self.clipped)
+        return out
