@@ -9,7 +9,11 @@ round from which it takes part (far enough ahead that every member hears of it)
 and tells everyone.
 
 Every field of every control message is checked before use; a bad one is
-counted and logged once per peer and reason, and changes nothing.
+counted and logged once per peer and reason, and changes nothing. State
+messages (and state requests and replies) from a sender that is not a member
+are refused here, on the I/O thread, so a flood of them never queues up for
+the training thread. What is kept per unknown sender is capped, so senders
+cycling through made-up ids cannot grow this node's memory.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ __all__ = ["ControlPlane"]
 log = logging.getLogger("gossip.control")
 
 NODE_KINDS = frozenset({"state", "state-request", "state-reply"})  # handled by the node thread
+MAX_CONFLICTS = 64  # peers we remember (and answer) for refusing to mix: each costs a connection
+MAX_LOGGED = 10_000  # (peer, reason) pairs logged once each
 
 
 def _str_list(x: dict, key: str, limit: int = 4096, min_len: int = 1) -> list[str] | None:
@@ -79,22 +85,37 @@ class ControlPlane:
         self.rejected: Counter[str] = Counter()
         self.conflicts: dict[str, str] = {}  # peer -> why we refuse it (fingerprint, version)
         self._logged: set[tuple[str, str]] = set()
+        self._reject_lock = threading.Lock()  # the I/O thread and the node thread both count
         self.digests: dict[str, str] = {}  # member -> the member digest it last reported
+        self.seeding: set[str] = set()  # members that still wait for one of their seeds to answer
         self.last_change = 0.0
         self.last_ping = 0.0
         self.now = 0.0
 
     # -- helpers ---------------------------------------------------------------------------
-    def reject(self, peer: str, reason: str, detail: str = "") -> None:
-        self.rejected[reason] += 1
-        if (peer, reason) not in self._logged and len(self._logged) < 10_000:
+    def reject(self, peer: str, reason: str, detail: str = "", *, count: bool = True) -> None:
+        """Count a refused message under ``reason`` (unless ``count`` is False: counted
+        elsewhere) and log it once per peer and reason."""
+        with self._reject_lock:
+            if count:
+                self.rejected[reason] += 1
+            if (peer, reason) in self._logged or len(self._logged) >= MAX_LOGGED:
+                return
             self._logged.add((peer, reason))
-            log.warning("%s: rejected a message from %s: %s%s", self.id, peer[:64], reason,
-                        f" ({detail})" if detail else "")
+        log.warning("%s: rejected a message from %s: %s%s", self.id, peer[:64], reason,
+                    f" ({detail})" if detail else "")
+
+    def _conflict(self, peer: str, why: str, *, replace: bool = True) -> bool:
+        """Remember that we refuse ``peer`` (bounded); False if it was not remembered."""
+        if peer not in self.conflicts and len(self.conflicts) >= MAX_CONFLICTS:
+            return False
+        if replace or peer not in self.conflicts:
+            self.conflicts[peer] = why
+        return True
 
     def _message(self, kind: str, **extra: Any) -> Message:
         status, rnd, step = self.progress()
-        x = {"inc": self.incarnation, "status": status, "dc": self.dc, **extra}
+        x = {"inc": self.incarnation, "status": status, "dc": self.dc, "seeding": bool(self.seeds), **extra}
         return Message(kind, self.id, rnd, step, 0, None, None, x, self.fingerprint)
 
     def _members_message(self, kind: str = "members") -> Message:
@@ -105,7 +126,9 @@ class ControlPlane:
             if self.m.base:
                 base = sorted(self.m.base)
                 joins = sorted(self.m.joins.items())
-                x.update(base=base, jids=[j for j, _ in joins], jrounds=[r for _, r in joins])
+                leaves = sorted(self.m.leaves.items())
+                x.update(base=base, jids=[j for j, _ in joins], jrounds=[r for _, r in joins],
+                         lids=[j for j, _ in leaves], lrounds=[r for _, r in leaves])
         return self._message(kind, **x)
 
     def broadcast(self, msg: Message) -> None:
@@ -122,7 +145,7 @@ class ControlPlane:
             msg = wire.decode(frames)
         except wire.WireError as e:
             if e.reason == "version":
-                self.conflicts.setdefault(peer, e.detail)
+                self._conflict(peer, e.detail, replace=False)
             self.reject(peer, e.reason, e.detail)
             return
         if msg.sender != peer:
@@ -136,6 +159,9 @@ class ControlPlane:
                 member = self.m.members.get(peer)
                 if member is not None:
                     member.last_seen = self.now
+            if member is None:
+                self.reject(peer, "not-member", f"{msg.kind} from a node that is not a member")
+                return
             self.to_node(msg)  # the node thread checks membership, fingerprint, payload
             return
         try:
@@ -154,6 +180,9 @@ class ControlPlane:
         dc = x.get("dc", "")
         if not isinstance(dc, str) or len(dc) > 64:
             raise ValueError("dc")
+        seeding = x.get("seeding", False)
+        if not isinstance(seeding, bool):
+            raise ValueError("seeding")
         if msg.kind == "bye":
             with self.lock:
                 m = self.m.members.get(peer)
@@ -162,15 +191,15 @@ class ControlPlane:
                     self.m.remove(peer, f"said goodbye ({str(reason)[:200]})", departed=True)
                     self.last_change = now
                 if str(x.get("reason", "")).startswith("fingerprint"):
-                    self.conflicts[peer] = str(x["reason"])[:300]
+                    self._conflict(peer, str(x["reason"])[:300])
             self.seeds.pop(peer, None)
             return
         if msg.fingerprint != self.fingerprint:
             why = (f"fingerprint mismatch: {peer} has model fingerprint {msg.fingerprint[:32]!r}, this node "
                    f"{self.fingerprint!r}; refusing to mix with it")
-            self.conflicts[peer] = why
+            remembered = self._conflict(peer, why)
             self.reject(peer, "fingerprint", why)
-            if msg.kind == "hello":
+            if msg.kind == "hello" and remembered:  # bounded: each answer opens a connection
                 self.send(peer, self._message("bye", reason=why))
             self.seeds.pop(peer, None)
             return
@@ -181,9 +210,13 @@ class ControlPlane:
         base = _str_list(x, "base")
         jids = _str_list(x, "jids")
         jrounds = _int_list(x, "jrounds", len(jids)) if jids is not None else None
+        lids = _str_list(x, "lids")
+        lrounds = _int_list(x, "lrounds", len(lids)) if lids is not None else None
         reply = None
         with self.lock:
             before = self.m.version
+            old = self.m.members.get(peer)
+            restarted = old is not None and inc > old.incarnation  # a new life of a node we knew
             self.m.heard(peer, inc, now, status=status, round=msg.round, step=msg.progress, dc=dc,
                          fingerprint=msg.fingerprint)
             if mids is not None and mincs is not None:
@@ -193,21 +226,44 @@ class ControlPlane:
                         if mid in self.m.members and not self.m.members[mid].dc:
                             self.m.members[mid].dc = mdc
             if base is not None and not self.m.base and status in ("training", "done"):
-                self.m.start(b for b in base)  # we learn how the running cluster started
+                # we learn how the running cluster started; if it started with an earlier
+                # life of ours (it lists another incarnation of us, or our leave), we are
+                # not one of its starters any more but a node that joins
+                listed = dict(zip(mids, mincs)) if mids is not None and mincs is not None else {}
+                former = listed.get(self.id, self.incarnation) != self.incarnation or self.id in (lids or ())
+                self.m.start(b for b in base if not (former and b == self.id))
+            # leaves before joins: a restarted member's old life leaves before its new one joins
+            if lids is not None and lrounds is not None:
+                rejoining = set(jids or ())
+                for j, r in zip(lids, lrounds):
+                    member = self.m.members.get(j)
+                    # take another node's word for a death only if we have not heard from it
+                    # lately ourselves (one false suspicion must not evict a live member), or
+                    # when the same list schedules its new life (a restart, not a suspicion)
+                    if member is None or now - member.last_seen > self.m.dead_after / 2 or j in rejoining:
+                        self.m.announce_leave(j, r)
             if jids is not None and jrounds is not None:
                 for j, r in zip(jids, jrounds):
                     self.m.announce_join(j, r)
             digest = x.get("digest")
             if isinstance(digest, str):
                 self.digests[peer] = digest
+            if seeding and peer in self.m.members:
+                self.seeding.add(peer)
+            else:
+                self.seeding.discard(peer)
             new_member = self.m.version != before
             my_status, my_round, _ = self.progress()
             if new_member:
                 self.last_change = now
             if msg.kind == "hello":
-                if my_status == "training" and self.m.base and peer not in self.m.base and peer not in self.m.joins:
-                    # a node joins a running cluster: everyone adopts it from the same future round
-                    eff = max(my_round, self.m.max_round()) + self.m.join_margin
+                active = (peer in self.m.base or peer in self.m.joins) and peer not in self.m.leaves
+                if my_status == "training" and self.m.base and (restarted or not active):
+                    # a node joins a running cluster (a new one, or a new life of a member):
+                    # everyone adopts it from the same future round, after its old life left
+                    if restarted and active:
+                        self.m.announce_leave(peer, self.m.max_round() + self.m.leave_margin)
+                    eff = max(max(my_round, self.m.max_round()) + self.m.join_margin, self.m.leaves.get(peer, 0))
                     self.m.announce_join(peer, eff)
                     log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
                     new_member = True
@@ -238,6 +294,7 @@ class ControlPlane:
                 digest = self.m.digest()
             if dead:
                 self.last_change = now
+                self.broadcast(self._members_message())  # the leave rounds, so all adopt them together
             self.broadcast(self._message("ping", digest=digest))
         return dead
 
@@ -248,13 +305,20 @@ class ControlPlane:
     def goodbye(self, reason: str) -> None:
         self.broadcast(self._message("bye", reason=reason))
 
-    def settled(self, now: float, settle: float) -> tuple[bool, str]:
+    def settled(self, now: float, settle: float, *, seeds: bool = True) -> tuple[bool, str]:
         """Whether a fresh cluster may start: every known member waits for the start,
         reports our member set, and the set has not changed for ``settle`` seconds.
+        With ``seeds``, also every ``--peers`` seed of every member has answered: two
+        halves of a cluster that came up at different speeds must not start apart.
         The second value says what is still awaited (for the log)."""
         with self.lock:
             if now - self.last_change < settle:
                 return False, f"member set changed {now - self.last_change:.1f} s ago"
+            if seeds and self.seeds:
+                return False, f"seed {next(iter(self.seeds))} has not answered"
+            waiting_for_seeds = sorted(self.seeding.intersection(self.m.members)) if seeds else []
+            if waiting_for_seeds:
+                return False, f"{waiting_for_seeds[0]} waits for one of its seeds"
             mine = self.m.digest()
             for mid, member in self.m.members.items():
                 if mid == self.id:

@@ -41,11 +41,13 @@ from gossip import wire
 from gossip.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gossip.compression import get_codec
 from gossip.control import ControlPlane
-from gossip.membership import Membership, parse_address
+from gossip.membership import Membership, parse_address, topology_for
 from gossip.message import Message
 from gossip.mixing import ALGORITHMS, make_rule
+from gossip.mixing.policy import build_policies, parse_link_policies
 from gossip.mixing.base import all_finite, decode_payload
 from gossip.node import Compute, Node, NodeConfig, Send, Wait, init_model
+from gossip.security import load_curve
 from gossip.state import FlatState, fingerprint_of
 from gossip.tasks import get_task
 from gossip.transport.sim import LinkModel, SimNetwork, parse_link
@@ -131,7 +133,13 @@ class PeerConfig:
     eval_every: int = 0                  # local steps between evaluations in the metrics log (0: steps/10)
     max_message_mb: float = 0.0          # incoming size cap in MiB (0: twice the model + 1 MiB)
     options: dict = field(default_factory=dict)  # extra mixing-rule options (e.g. gamma)
+    asynchronous: bool = False           # never wait for neighbours (staleness-weighted mixing)
+    staleness: str | None = None         # decay of stale messages (with asynchronous)
+    overlap: bool = False                # a round travels while the next local steps compute
+    link_policy: tuple[str, ...] = ()    # per link class: "inter:period=20,codec=topk:0.01,async"
     emulate: tuple[str, ...] = ()        # link emulation: "CLASS:latency=50ms,bandwidth=100Mbit,loss=0,drop=N"
+    curve_keys: str | None = None        # CurveZMQ key directory (see gossip.security); None: no encryption
+    tensorboard: str | None = None       # TensorBoard directory: scalars of the metrics in DIR/<node id>/
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "--listen")
@@ -170,6 +178,13 @@ class PeerConfig:
         if not isinstance(self.dc, str) or len(self.dc) > 64:
             raise ValueError("dc must be a short string")
         emulated_links(self.emulate)  # fails early on a bad spec
+        if self.tensorboard:
+            from gossip.tensorboard_log import require_tensorboard
+
+            require_tensorboard()  # the install command, before anything starts
+        make_rule(self.algorithm, self.compression, asynchronous=self.asynchronous, staleness=self.staleness,
+                  **self.options)
+        build_policies(parse_link_policies(self.link_policy), **self.rule_settings())
         from gossip.data import parse_split
         from topologies import SPEC_NAMES
 
@@ -177,6 +192,11 @@ class PeerConfig:
         name = self.topology.split(":", 1)[0].strip().lower().replace("_", "-") if isinstance(self.topology, str) else ""
         if isinstance(self.topology, str) and name not in SPEC_NAMES:
             raise ValueError(f"unknown topology {self.topology!r}; valid: {', '.join(SPEC_NAMES)}")
+
+    def rule_settings(self) -> dict[str, Any]:
+        """The run-wide mixing settings that link policies default to."""
+        return {"algorithm": self.algorithm, "codec": self.compression, "period": self.period,
+                "gamma": self.options.get("gamma"), "asynchronous": self.asynchronous, "staleness": self.staleness}
 
     @property
     def node_id(self) -> str:
@@ -228,11 +248,17 @@ class Peer:
         self.resumed_from: str | None = None
         self.rank: int | None = None
         self.world_size: int | None = None
+        self.train_seconds = 0.0
+        self.trained_steps = 0
+        self.max_step_gap = 0.0
         self.node_rejected: Counter[str] = Counter()
         self._topologies: dict[tuple, Any] = {}
+        self._dcs: dict[str, str] = {}  # datacenter label of every member we trained with (bytes by link class)
         self._state_replies: list[Message] = []
         self._early: list[Message] = []  # state messages that arrived before our node existed
+        self._incarnations: dict[str, int | None] = {}  # sender -> the life whose sequence numbers we track
         self._metrics = None
+        self.on_step: Any = None  # called with this peer after every training step (gossip-node's progress bar)
         cap = config.max_message_mb * 2**20 if config.max_message_mb else 2 * self.model_bytes + 2**20
         self.control = ControlPlane(self.id, self.incarnation, self.fingerprint, config.dc, self.membership,
                                     self.lock, self._send_message, self.inbound.put, self._progress,
@@ -240,9 +266,11 @@ class Peer:
         listen = "tcp://" + parse_address(config.listen, "--listen")
         links = emulated_links(config.emulate)
         self.shaper = None if links is None else SimNetwork(links, self._link_class, seed=config.seed)
+        # CurveZMQ: a bad key directory is a ValueError naming what is wrong (gossip-node exits 2)
+        self.security = load_curve(config.curve_keys, self.id) if config.curve_keys else None
         self.transport = ZmqTransport(self.id, listen, on_frames=self.control.on_frames, on_tick=self._tick,
                                       tick=min(0.1, config.heartbeat / 2), max_message_size=int(cap),
-                                      shaper=self.shaper)
+                                      shaper=self.shaper, curve=self.security)
 
     # -- shared with the I/O thread --------------------------------------------------------
     def _progress(self) -> tuple[str, int, int]:
@@ -289,9 +317,11 @@ class Peer:
         """
         self.transport.start()
         log.info("%s: listening (incarnation %d, model %s)", self.id, self.incarnation, self.fingerprint)
-        if self.cfg.log:
-            Path(self.cfg.log).parent.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(self.cfg.log, "w")
+        if self.cfg.log or self.cfg.tensorboard:
+            from gossip.tensorboard_log import open_metrics, run_name
+
+            self._metrics = open_metrics(self.cfg.log, self.cfg.tensorboard and
+                                         Path(self.cfg.tensorboard) / run_name(self.id))
         mode = self._discover()
         if mode is None:
             return False
@@ -325,7 +355,8 @@ class Peer:
             if running:
                 return "member" if in_base else "join"
             if others:
-                ok, why = self.control.settled(now, cfg.settle)
+                # a seed that never answers stops holding the start back after join_timeout
+                ok, why = self.control.settled(now, cfg.settle, seeds=now - start < cfg.join_timeout)
                 if ok:
                     return "fresh"
                 if now - last_note >= 2.0:
@@ -357,12 +388,14 @@ class Peer:
                 members = sorted([*members, self.id], key=self.membership.order_key)
         rank, world = (cfg.rank, cfg.world_size) if cfg.world_size is not None else (members.index(self.id),
                                                                                      len(members))
-        rule = make_rule(cfg.algorithm, cfg.compression, **cfg.options)
-        node_cfg = NodeConfig(cfg.steps, cfg.period, float(cfg.timeout), check_payloads=True)
+        rule = make_rule(cfg.algorithm, cfg.compression, asynchronous=cfg.asynchronous, staleness=cfg.staleness,
+                         **cfg.options)
+        policies = build_policies(parse_link_policies(cfg.link_policy), **cfg.rule_settings())
+        node_cfg = NodeConfig(cfg.steps, cfg.period, float(cfg.timeout), check_payloads=True, overlap=cfg.overlap)
         self.rank, self.world_size = rank, world
         self.node = Node(self.id, members, self._topology_for(members), self.task, rule, node_cfg, seed=cfg.seed,
                          split=cfg.split, rank=rank, world_size=world, device=self.device, model=self.user_model,
-                         optimizer=self.user_optimizer)
+                         optimizer=self.user_optimizer, policies=policies)
         if mode == "join":
             self.joined = True
             self._pull_state(start_round)
@@ -418,9 +451,12 @@ class Peer:
                 if reply.sender == donor and reply.data is not None and reply.data.numel == node.state.numel:
                     values = decode_payload(reply, node.state.flat)
                     if all_finite(values):
-                        node.state.load_(values)
-                        node.step = start_round * cfg.period
-                        node.round = start_round
+                        node.adopt(values)
+                        # a joiner that fell behind (slow start, a busy machine) starts at the
+                        # donor's round: the cluster went on without it, and its members drop
+                        # messages of rounds they have finished
+                        start_round = max(start_round, reply.round)
+                        node.jump_to(start_round * cfg.period)
                         if reply.weight is not None and hasattr(node.rule, "weight"):
                             node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
                         self.state_from = donor
@@ -430,8 +466,7 @@ class Peer:
                         return
             self._state_replies.clear()
             log.warning("%s: no state from %s yet; asking another member", self.id, donor)
-        node.step = start_round * cfg.period
-        node.round = start_round
+        node.jump_to(start_round * cfg.period)
         log.warning("%s: no member sent its state; joining with a fresh model", self.id)
 
     def _resume(self) -> None:
@@ -452,17 +487,16 @@ class Peer:
 
     # -- the training driver (this thread) -------------------------------------------------
     def _topology_for(self, members: list[str]) -> Any:
-        from topologies import build
-
         key = tuple(members)
         topo = self._topologies.get(key)
         if topo is None:
-            try:
-                topo = build(self.cfg.topology, len(members), seed=self.cfg.seed)
-            except ValueError as e:
-                log.warning("%s: topology %r does not fit %d members (%s); using a ring", self.id,
-                            self.cfg.topology, len(members), e)
-                topo = build("ring", len(members), seed=self.cfg.seed)
+            with self.lock:
+                dcs = [self.membership.members[m].dc if m in self.membership.members else self.cfg.dc
+                       for m in members]
+                self._dcs.update(zip(members, dcs))
+            # every member derives the same graph from the same ordered list (and labels)
+            topo = topology_for(self.cfg.topology, len(members), seed=self.cfg.seed,
+                                dcs=dcs if any(dcs) else None)
             self._topologies = {key: topo}  # only the current one is needed
         return topo
 
@@ -486,8 +520,15 @@ class Peer:
             self._log_metrics("eval")  # the starting point of every curve
         every = self.cfg.eval_every or max(1, self.cfg.steps // 10)
 
+        last_step_at = self.clock()
+
         def after_step() -> bool:
-            nonlocal last_eval
+            nonlocal last_eval, last_step_at
+            now = self.clock()
+            self.max_step_gap = max(self.max_step_gap, now - last_step_at)  # the longest stall
+            last_step_at = now
+            if self.on_step is not None:
+                self.on_step(self)
             if self._metrics is not None and node.step - last_eval >= every:
                 last_eval = node.step
                 self._log_metrics("eval")
@@ -498,7 +539,10 @@ class Peer:
                 return False
             return True
 
+        first_step, t_start = node.step, self.clock()
         self._drive(node.program(), after_step)
+        self.train_seconds = self.clock() - t_start
+        self.trained_steps = node.step - first_step
         if self.cfg.checkpoint_dir:
             save_checkpoint(node.state_dict(), self.cfg.checkpoint_dir, node.step)
 
@@ -513,9 +557,19 @@ class Peer:
             raise RuntimeError("call start() before step()")
         self._service(0.0)
         node.step += 1
-        if node.step % self.cfg.period == 0:
+        due = [ch for ch in node.channels if node.step % ch.period == 0]
+        if due:
             self._apply_members()
-            self._drive(node.exchange(), lambda: True)
+            for ch in due:
+                self._drive(node.exchange(ch), lambda: True)
+
+    def complete_pending(self) -> None:
+        """With overlap, mix the rounds still in flight (the end of a loop of your own)."""
+        node = self.node
+        if node is not None:
+            for ch in node.channels:
+                if ch.pending is not None:
+                    self._drive(node.complete(ch), lambda: True)
 
     def _drive(self, program: Any, after_step: Any) -> None:
         """Advance a node program with the wall clock: the real-world driver."""
@@ -534,7 +588,7 @@ class Peer:
             if kind is Compute:
                 if not after_step():
                     return
-                if node.step % self.cfg.period == 0:
+                if any(node.step % ch.period == 0 for ch in node.channels):
                     self._apply_members()  # membership changes take effect between rounds
             elif kind is Send:
                 encoded: dict[int, list] = {}
@@ -551,7 +605,7 @@ class Peer:
         node = self.node
         assert node is not None
         deadline = self.clock() + timeout
-        expected = {node.members[j] for j in node.rule.expected_senders(node.topology, node.index, node.round)}
+        expected = set(node.expected())
         while not node.ready():
             remaining = deadline - self.clock()
             if remaining <= 0:
@@ -588,6 +642,7 @@ class Peer:
                 return
             if self.status == "done":
                 return  # finished: nothing to mix into
+            self._note_incarnation(msg.sender)
             if not node.deliver(msg):
                 self.node_rejected_from(msg)
         elif msg.kind == "state-request":
@@ -599,8 +654,21 @@ class Peer:
                             weight, {"inc": self.incarnation}, self.fingerprint)
             self._send_message(msg.sender, reply)
         elif msg.kind == "state-reply":
-            if msg.fingerprint == self.fingerprint:
+            # wanted only while a joiner pulls a state, and a few at most: each holds a whole model
+            if node is not None and self.status == "waiting" and msg.fingerprint == self.fingerprint \
+                    and len(self._state_replies) < 8:
                 self._state_replies.append(msg)
+            else:
+                self.control.reject(str(msg.sender), "unsolicited", "a state-reply nobody asked for")
+
+    def _note_incarnation(self, sender: str) -> None:
+        """A member that restarted (new incarnation) numbers its messages afresh."""
+        with self.lock:
+            member = self.membership.members.get(sender)
+        inc = member.incarnation if member is not None else None
+        if self._incarnations.get(sender, inc) != inc and self.node is not None:
+            self.node.forget_sender(sender)
+        self._incarnations[sender] = inc
 
     def node_rejected_from(self, msg: Message) -> None:
         node = self.node
@@ -608,8 +676,7 @@ class Peer:
         for reason, n in node.rejected.items():
             if n > self.node_rejected[reason]:
                 self.node_rejected[reason] = n
-                self.control.reject(str(msg.sender), reason)
-                self.control.rejected[reason] -= 1  # counted by the node already
+                self.control.reject(str(msg.sender), reason, count=False)  # counted by the node already
 
     def finish(self) -> None:
         """Keep serving until every other member is done (or gone), or ``grace`` passes."""
@@ -650,11 +717,12 @@ class Peer:
         node = self.node
         sent, received = self.transport.bytes_sent, self.transport.bytes_received
         by_class: Counter[str] = Counter()
-        with self.lock:
-            dcs = {k: m.dc for k, m in self.membership.members.items()}
+        with self.lock:  # members that said goodbye are gone from the table, not from the byte counts
+            dcs = {**self._dcs, **{k: m.dc for k, m in self.membership.members.items()}}
         for peer, n in sent.items():
             by_class["inter" if dcs.get(peer, self.cfg.dc) != self.cfg.dc else "intra"] += n
         rejected = Counter(self.control.rejected)
+        rejected.update(self.transport.rejected)
         if node is not None:
             rejected.update(node.rejected)
         out: dict[str, Any] = {"node": self.id, "steps": node.step if node else 0, "rounds": node.round if node else 0}
@@ -673,12 +741,20 @@ class Peer:
             out["mixing"] = report
         if self.shaper is not None:
             out["emulated_losses"] = self.transport.emulated_losses
+        if self.security is not None:
+            out["curve"] = self.security.report()
         out.update(bytes_sent=sum(sent.values()), bytes_received=sum(received.values()),
                    bytes_intra=by_class.get("intra", 0), bytes_inter=by_class.get("inter", 0),
                    dropped=sum(self.transport.dropped.values()),
-                   rejected={k: v for k, v in sorted(rejected.items()) if v}, joined=self.joined,
+                   rejected={k: v for k, v in sorted(rejected.items()) if v},
+                   # ROUTER connection events; a message above max_message_bytes is dropped by
+                   # ZeroMQ, which closes the sender's connection: it shows up as "disconnected"
+                   connections=dict(sorted(self.transport.events.items())),
+                   max_message_bytes=self.transport.max_message_size, joined=self.joined,
                    state_from=self.state_from, resumed_from=self.resumed_from, interrupted=self.interrupted,
-                   device=str(self.device), wall_time_s=self.clock() - self.t0)
+                   device=str(self.device), wall_time_s=self.clock() - self.t0, train_time_s=self.train_seconds,
+                   max_step_gap_s=self.max_step_gap, recoveries=node.recoveries if node is not None else 0,
+                   steps_per_s=self.trained_steps / self.train_seconds if self.train_seconds > 0 else None)
         if self._metrics is not None and node is not None:
             self._metrics.write(json.dumps({"event": "summary", **out}, default=_jsonable) + "\n")
         return out
@@ -742,6 +818,7 @@ class GossipNode:
     def close(self) -> dict[str, Any]:
         """Finish (serve slower peers for up to ``grace`` s), say goodbye; returns the summary."""
         try:
+            self.peer.complete_pending()
             self.peer.finish()
             return self.peer.summary()
         finally:

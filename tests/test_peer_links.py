@@ -91,3 +91,28 @@ def test_emulated_drop_loses_exactly_the_nth_state_message():
     finally:
         a.close()
         b.close()
+
+
+def _two_dc_run(tmp_path, name, emulate):
+    ports = [free_port() for _ in range(4)]
+    dcs = ["east", "east", "west", "west"]
+    with Cluster(tmp_path) as c:
+        nodes = [c.start(f"{name}{i}", ["--peers", f"127.0.0.1:{ports[(i + 1) % 4]}", "--dc", dcs[i],
+                                        "--topology", "hierarchical", "--async", "--task", "synthetic",
+                                        "--steps", "400", "--json", *FAST, *emulate], port=ports[i])
+                 for i in range(4)]
+        assert c.wait_all(240) == [0, 0, 0, 0]
+        return [n.summary() for n in nodes]
+
+
+def test_async_across_emulated_datacenters_nobody_waits_on_the_slow_link(tmp_path):
+    slow = ["--emulate", "inter:latency=300ms,bandwidth=20Mbit"]
+    shaped = _two_dc_run(tmp_path, "shaped", slow)
+    free = _two_dc_run(tmp_path, "free", [])
+    for s in shaped:
+        assert s["members"] == 4 and s["final_accuracy"] > 0.8, s
+        assert s["bytes_inter"] > 0 and s["bytes_intra"] > 0, s
+        assert s["mixing"]["rule"] == "async"
+    rate = sorted(s["steps_per_s"] for s in shaped)[1:3]  # the middle two: this 2-core box is noisy
+    base = sorted(s["steps_per_s"] for s in free)[1:3]
+    assert sum(rate) >= 0.8 * sum(base), (rate, base)

@@ -13,6 +13,14 @@ high-water mark per peer (a slow peer cannot make us buffer without bound;
 what does not fit is dropped and counted), IMMEDIATE (no queueing towards a
 peer that is not connected yet), MAXMSGSIZE on the ROUTER (a hostile peer
 cannot make us allocate more than that), and reconnect backoff.
+
+MAXMSGSIZE is enforced by libzmq per frame: a frame above it is dropped
+unseen and the sender's connection closed. A monitor on the ROUTER counts
+connection events (``events``: ``disconnected``, ``handshake-failed-auth``,
+...), which is where such drops show up. libzmq assembles a multipart message
+whole before handing it over, so the cap does not bound the sum of many
+frames below it; wire decoding rejects those, and CurveZMQ (``curve=``) keeps
+unknown senders from connecting at all.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from collections import Counter
 from typing import Any, Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 __all__ = ["ZmqTransport", "BindError"]
 
@@ -49,6 +58,15 @@ def _nbytes(frame: Any) -> int:
     return memoryview(frame).nbytes
 
 
+# ROUTER connection events worth counting: how connections end, and handshakes that fail
+_EVENT_NAMES = {zmq.EVENT_DISCONNECTED: "disconnected", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake-failed-auth",
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake-failed-protocol",
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake-failed"}
+_MONITORED = 0
+for _e in _EVENT_NAMES:
+    _MONITORED |= _e
+
+
 class ZmqTransport:
     """Move multipart messages between node ids (``HOST:PORT`` strings).
 
@@ -60,8 +78,8 @@ class ZmqTransport:
     on_tick : ``on_tick(now)`` every ``tick`` seconds (I/O thread)
     max_message_size : ROUTER MAXMSGSIZE in bytes (-1: unlimited)
     hwm : per-peer send high-water mark, in messages
-    curve : optional ``(public, secret, server_public_for(peer_id) -> bytes, authenticator)``,
-        see :mod:`gossip.security`
+    curve : optional CurveZMQ policy with ``setup_server(router)``, ``setup_client(dealer, peer_id)``,
+        ``check(routing_id, frame) -> reason | None`` and ``close()``, see :mod:`gossip.security`
     io_threads : libzmq I/O threads; one thread tops out well below loopback or
         10 GbE speed on large messages, two roughly double it
     shaper : optional link emulator with ``transmit(src, dst, nbytes, now, droppable=)``
@@ -96,6 +114,8 @@ class ZmqTransport:
         self.bytes_sent: Counter[str] = Counter()
         self.bytes_received: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()  # peer -> messages dropped at the high-water mark
+        self.rejected: Counter[str] = Counter()  # reason -> messages refused before decoding (CURVE identity)
+        self.events: Counter[str] = Counter()  # ROUTER connection events (monitor), e.g. "disconnected"
         self._wake_addr = f"inproc://wake-{id(self)}"
         self._router: zmq.Socket | None = None
         self._wake_send: zmq.Socket | None = None
@@ -117,18 +137,21 @@ class ZmqTransport:
             router.bind(self.listen)
         except zmq.ZMQError as e:
             router.close(0)
+            if self.curve is not None:
+                self.curve.close()  # its ZAP thread holds a socket: term() would wait for it
             self.ctx.term()
             reason = "already in use" if e.errno == zmq.EADDRINUSE else e.strerror
             raise BindError(f"cannot listen on {self.listen}: {reason}") from None
         self._router = router
+        monitor = router.get_monitor_socket(_MONITORED)
         wake_recv = self.ctx.socket(zmq.PAIR)
         wake_recv.bind(self._wake_addr)
         self._wake_send = self.ctx.socket(zmq.PAIR)
         self._wake_send.setsockopt(zmq.LINGER, 0)
         self._wake_send.connect(self._wake_addr)
         self._running.set()
-        self._thread = threading.Thread(target=self._loop, args=(router, wake_recv), name=f"io-{self.node_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(router, wake_recv, monitor),
+                                        name=f"io-{self.node_id}", daemon=True)
         self._thread.start()
 
     def close(self, timeout: float = 2.0) -> None:
@@ -142,6 +165,8 @@ class ZmqTransport:
             if self._wake_send is not None:
                 self._wake_send.close(0)
                 self._wake_send = None
+        if self.curve is not None:
+            self.curve.close()
         self.ctx.destroy(linger=0)
         self._thread = None
 
@@ -176,9 +201,13 @@ class ZmqTransport:
             s.setsockopt(zmq.RECONNECT_IVL, 100)
             s.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # exponential backoff up to 5 s
             s.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
-            if self.curve is not None:
-                self.curve.setup_client(s, dst)
-            s.connect(f"tcp://{dst}")
+            try:
+                if self.curve is not None:
+                    self.curve.setup_client(s, dst)
+                s.connect(f"tcp://{dst}")
+            except zmq.ZMQError:
+                s.close(0)  # e.g. an id that is no endpoint: do not leak a socket per attempt
+                raise
             self._dealers[dst] = s
         return s
 
@@ -222,10 +251,28 @@ class ZmqTransport:
             self.dropped[dst] += 1
             log.warning("%s: send to %s failed: %s", self.node_id, dst, e)
 
-    def _loop(self, router: zmq.Socket, wake: zmq.Socket) -> None:
+    def _count(self, counter: Counter[str], key: str, n: int) -> None:
+        # a key per routing id would let a sender cycling ids grow the counter without bound
+        if key in counter or len(counter) < 1024:
+            counter[key] += n
+        else:
+            counter["(others)"] += n
+
+    def _read_events(self, monitor: zmq.Socket) -> None:
+        for _ in range(256):
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            name = _EVENT_NAMES.get(event.get("event"))
+            if name is not None:
+                self.events[name] += 1
+
+    def _loop(self, router: zmq.Socket, wake: zmq.Socket, monitor: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         next_tick = self.clock()
         try:
             while self._running.is_set():
@@ -241,6 +288,8 @@ class ZmqTransport:
                     except zmq.Again:
                         pass
                     self._flush()
+                if monitor in events:
+                    self._read_events(monitor)
                 if router in events:
                     for _ in range(256):  # bounded, so ticks and sends are not starved
                         try:
@@ -249,7 +298,12 @@ class ZmqTransport:
                             break
                         ident = frames[0].bytes
                         body = [f.buffer for f in frames[1:]]
-                        self.bytes_received[ident.decode(errors="replace")] += sum(f.nbytes for f in body)
+                        self._count(self.bytes_received, ident.decode(errors="replace"), sum(f.nbytes for f in body))
+                        if self.curve is not None:
+                            reason = self.curve.check(ident, frames[1])
+                            if reason is not None:
+                                self.rejected[reason] += 1
+                                continue
                         try:
                             self.on_frames(ident, body)
                         except Exception:  # a handler bug must not kill the I/O thread
@@ -270,6 +324,11 @@ class ZmqTransport:
             for s in self._dealers.values():
                 s.close(0)
             self._dealers.clear()
+            try:
+                router.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(0)
             router.close(0)
             wake.close(0)
             self._stopped.set()

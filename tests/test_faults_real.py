@@ -1,0 +1,127 @@
+"""Real processes dying, restarting and being killed mid-checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from gossip.checkpoint import latest_checkpoint, load_checkpoint
+from tests.cluster import Cluster, free_port
+
+FAST = ["--heartbeat", "0.25", "--dead-after", "2", "--settle", "1", "--grace", "5", "--timeout", "5"]
+
+
+def ring(ports, i, steps, *extra):
+    return ["--peers", f"127.0.0.1:{ports[(i + 1) % len(ports)]}", "--topology", "ring", "--task", "synthetic",
+            "--steps", str(steps), "--json", *FAST, *extra]
+
+
+@pytest.mark.slow
+def test_killing_two_of_eight_nodes_costs_only_their_work(tmp_path):
+    steps, n = 1500, 8
+    results = {}
+    for run in ("clean", "faulty"):
+        ports = [free_port() for _ in range(n)]
+        metrics = tmp_path / f"{run}0.jsonl"
+        with Cluster(tmp_path) as c:
+            nodes = [c.start(f"{run}{i}", ring(ports, i, steps, *(["--log", str(metrics), "--eval-every", "50"]
+                                                                  if i == 0 else [])), port=ports[i])
+                     for i in range(n)]
+            victims = [nodes[2], nodes[5]]
+            if run == "faulty":  # mid-training: once node 0 has logged half the steps
+                deadline = time.monotonic() + 300
+                while time.monotonic() < deadline:
+                    text = metrics.read_text() if metrics.exists() else ""
+                    if any(json.loads(ln).get("step", 0) >= steps // 2 for ln in text.splitlines() if ln):
+                        break
+                    time.sleep(0.2)
+                for v in victims:
+                    v.proc.send_signal(signal.SIGKILL)  # no goodbye: a crash
+            survivors = [x for x in nodes if run == "clean" or x not in victims]
+            for x in survivors:
+                assert x.wait(300) == 0, x.log()[-2000:]
+            results[run] = [x.summary() for x in survivors]
+            logs = "".join(x.log() for x in survivors)
+    faulty, clean = results["faulty"], results["clean"]
+    assert "removed: silent for more than 2 s" in logs
+    for s in faulty:
+        assert s["steps"] == steps and s["members"] == 6, s
+        # nobody stalled longer than detection (2 s of silence) plus a heartbeat and scheduling slack
+        assert s["max_step_gap_s"] < 2.0 + 1.5, s["max_step_gap_s"]
+    acc = lambda rs: sum(r["final_accuracy"] for r in rs) / len(rs)  # noqa: E731
+    assert acc(faulty) >= acc(clean) - 0.01, (acc(faulty), acc(clean))
+
+
+@pytest.mark.slow
+def test_a_restarted_node_takes_the_newer_state_and_catches_up(tmp_path):
+    steps, n = 2500, 4
+    ports = [free_port() for _ in range(n)]
+    ck = tmp_path / "ck1"
+    with Cluster(tmp_path) as c:
+        nodes = [c.start(f"n{i}", ring(ports, i, steps, *(["--checkpoint-dir", str(ck), "--checkpoint-every", "50"]
+                                                         if i == 1 else [])), port=ports[i]) for i in range(n)]
+        nodes[1].wait_for_log("training as", 120)
+        time.sleep(3.0)
+        nodes[1].proc.send_signal(signal.SIGKILL)
+        old = load_checkpoint(latest_checkpoint(ck))["step"]
+        time.sleep(3.0)  # the others detect the death and train on
+        again = c.start("n1-again", ring(ports, 1, steps, "--checkpoint-dir", str(ck), "--resume",
+                                         "--join-margin", "10"), port=ports[1])
+        codes = [x.wait(300) for x in (nodes[0], nodes[2], nodes[3], again)]
+        assert codes == [0, 0, 0, 0], again.log()[-3000:]
+        s = again.summary()
+        others = [x.summary() for x in (nodes[0], nodes[2], nodes[3])]
+    assert s["joined"] and s["state_from"] is not None, s
+    assert s["resumed_from"] is None  # its checkpoint (step {old}) was older than the neighbour's state
+    assert old < steps and s["steps"] == steps and s["members"] == 4
+    steady = max(o["neighbor_distance"] for o in others)
+    assert s["neighbor_distance"] <= 2 * steady + 1e-3, (s["neighbor_distance"], steady)
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from gossip.checkpoint import save_checkpoint
+    d = sys.argv[1]
+    step = int(sys.argv[2])
+    x = torch.randn(2_000_000, generator=torch.Generator().manual_seed(0))
+    while True:
+        step += 1
+        save_checkpoint({"flat": x + step, "step": step, "round": step}, d, step)
+""")
+
+
+def test_kill_9_during_checkpoints_never_leaves_a_corrupt_file(tmp_path):
+    d = tmp_path / "ck"
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    rng = random.Random(0)
+    base = torch.randn(2_000_000, generator=torch.Generator().manual_seed(0))
+    last = 0
+    for trial in range(12):
+        p = subprocess.Popen([sys.executable, str(script), str(d), str(last)], cwd=os.getcwd())
+        try:
+            time.sleep(1.5 + rng.random())  # import, then die at a random point of some write
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.wait(30)
+        path = latest_checkpoint(d)
+        if path is None:
+            continue
+        state = load_checkpoint(path)  # must never raise
+        assert state["step"] >= last
+        # the contents are exactly what was written for that step, not a torn mix
+        assert torch.equal(state["flat"], base + state["step"])
+        last = state["step"]
+        # stale temporaries are removed by the next successful save: at most this kill's and,
+        # if this writer died during its very first save, the previous one's
+        assert len(list(d.glob(".ckpt-*.tmp"))) <= 2
+    assert last > 0
