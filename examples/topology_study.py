@@ -103,15 +103,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"{spec:<22} {rules[spec]:<9} {'-' if gap is None else f'{gap:.3f}':>6} {s['final_accuracy']:>9.4f} "
               f"{s['mean_node_accuracy']:>9.4f} {s['consensus_distance']:>10.3g} {s['bytes_sent'] / 1e6:>8.1f} "
               f"{s['sim_time_s']:>6.2f} {time.perf_counter() - t0:>7.1f}")
-    png = plot_runs([read_metrics(f) for f in files], out_dir / "topology_study.png",
-                    title=f"{nodes} nodes, {args.task}, {args.split}")
-    print(f"plot: {png}")
-    print(json.dumps({"png": str(png), "runs": rows}))
-    if args.short:
+    try:
+        png: Path | None = plot_runs([read_metrics(f) for f in files], out_dir / "topology_study.png",
+                                     title=f"{nodes} nodes, {args.task}, {args.split}")
+        print(f"plot: {png}")
+    except ImportError:
+        png = None
+        print("no plot: matplotlib is not installed (pip install 'gossip-trainer[plot]')")
+    print(json.dumps({"png": str(png) if png else None, "runs": rows}))
+    if args.short and png is not None:
         data = png.read_bytes()
         if data[:8] != PNG_MAGIC or len(data) < SHORT_MIN_PNG_BYTES:
             raise SystemExit(f"short form failed: {png} is not a PNG of at least {SHORT_MIN_PNG_BYTES} bytes")
-    return {"png": str(png), "runs": rows}
+    return {"png": str(png) if png else None, "runs": rows}
 
 
 if __name__ == "__main__":

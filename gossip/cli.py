@@ -69,6 +69,18 @@ def _gamma(text: str) -> float | str:
     return v
 
 
+def _float_arg(name: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number or 'auto', got {text!r}") from None
+
+
+def _clip_arg(text: str | None) -> float | str | None:
+    """``--clip``: a radius or "auto" (the rule checks the value)."""
+    return text if text is None or text == "auto" else _float_arg("--clip", text)
+
+
 def add_training_args(p: argparse.ArgumentParser) -> None:
     """Options shared by gossip-sim and gossip-node."""
     from gossip.mixing import ALGORITHMS
@@ -88,6 +100,19 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                         "(default: the codec's own, e.g. 0.04 for topk:0.01)")
     p.add_argument("--period", type=_positive_int("--period"), default=1, metavar="K",
                    help="local steps between exchanges (default: 1)")
+    p.add_argument("--async", dest="asynchronous", action="store_true", default=False,
+                   help="never wait for neighbours: mix what has arrived, weighted by staleness")
+    p.add_argument("--staleness", default=None, metavar="DECAY",
+                   help="with --async: weight of a message s steps old: constant, poly:A ((1+s)^-A), "
+                        "hinge:A,B, exp:A (default: hinge:1,2)")
+    p.add_argument("--overlap", action="store_true", default=False,
+                   help="let a round's messages travel while the next local steps compute")
+    p.add_argument("--link-policy", action="append", default=None, metavar="CLASS:OPTIONS",
+                   help="per link class (intra, inter): period=K, codec=C, algorithm=A, gamma=G, staleness=D, "
+                        "async|sync; e.g. inter:period=20,codec=topk:0.01,async (repeatable)")
+    p.add_argument("--clip", default=None, metavar="TAU|auto",
+                   help="robust mixing: clip each neighbour's difference to radius TAU, or 'auto' (the lower "
+                        "median of the neighbours' distances)")
     p.add_argument("--task", default="synthetic", metavar="TASK",
                    help="synthetic, digits (needs scikit-learn), or module:attr; built-ins take options, "
                         "e.g. digits:lr=0.1,batch_size=64 (default: synthetic)")
@@ -120,7 +145,15 @@ def build_sim_parser() -> argparse.ArgumentParser:
     p.add_argument("--slow", default=None, metavar="NODE=FACTOR,...", help="slow nodes, e.g. 3=5 (node 3 five times slower)")
     p.add_argument("--eval-every", type=_nonneg_int("--eval-every"), default=0, metavar="S",
                    help="local steps between evaluations (default: 0 = about 20 per run)")
+    p.add_argument("--byzantine", default=None, metavar="NODE=FACTOR,...",
+                   help="misbehaving nodes for robustness studies: node NODE sends its parameters x FACTOR")
+    p.add_argument("--fault", action="append", default=None, metavar="EVENT",
+                   help="crash:N@T, join:N@T or partition:A|B@T1-T2 (node groups like 0-3,7; repeatable)")
+    p.add_argument("--detect", type=float, default=3.0, metavar="SEC",
+                   help="seconds before survivors act on a crash or partition (default: 3)")
     p.add_argument("--out", default=None, metavar="FILE.jsonl", help="write metrics as JSON lines")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the metrics as TensorBoard scalars in DIR (needs the tensorboard extra)")
     bar = p.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None,
                      help="always draw the progress bar")
@@ -154,11 +187,24 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = SimConfig(nodes=args.nodes, topology=args.topology, algorithm=args.algorithm,
-                        compression=args.compression, gamma=args.gamma, period=args.period, task=args.task,
+                        compression=args.compression, gamma=args.gamma, period=args.period,
+                        asynchronous=args.asynchronous, staleness=args.staleness, overlap=args.overlap,
+                        link_policy=args.link_policy, task=args.task,
                         split=args.split, steps=args.steps, seed=args.seed, link=args.link, inter_link=args.inter_link,
                         compute=args.compute, slow=args.slow, timeout=args.timeout, eval_every=args.eval_every,
+                        faults=args.fault, detect=args.detect, byzantine=args.byzantine,
+                        clip=_clip_arg(args.clip),
                         device=args.device)
-        result = simulate(cfg, out=args.out, progress=args.progress)
+        out: Any = args.out
+        if args.tensorboard:  # the JSONL records, also as TensorBoard scalars
+            from gossip.tensorboard_log import open_metrics
+
+            out = open_metrics(args.out, args.tensorboard)
+        try:
+            result = simulate(cfg, out=out, progress=args.progress)
+        finally:
+            if out is not args.out:
+                out.close()
     except ValueError as e:
         return _fail("gossip-sim", str(e))
     except OSError as e:
@@ -183,7 +229,8 @@ NODE_FLAGS = {
     "device": str, "dc": str, "timeout": float, "heartbeat": float, "dead_after": float, "settle": float,
     "join_timeout": float, "join_margin": int, "grace": float, "checkpoint_dir": str, "checkpoint_every": int,
     "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": float,
-    "threads": int, "emulate": list,
+    "threads": int, "emulate": list, "curve_keys": str, "peers_file": str, "slurm": bool, "slurm_port": int,
+    "progress": bool, "tensorboard": str, "clip": str, "asynchronous": bool, "staleness": str, "overlap": bool, "link_policy": list,
 }
 
 
@@ -197,6 +244,14 @@ def build_node_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", metavar="HOST:PORT", help="address peers use to reach this node "
                                                             "(default: the listen address)")
     p.add_argument("--peers", metavar="HOST:PORT[,...]", help="some existing nodes to contact (any will do)")
+    p.add_argument("--peers-file", metavar="FILE",
+                   help="more peers, HOST:PORT per line (# comments; host lists like node[01-08]:5555); "
+                        "a file listing every node may be given to all: each leaves itself out")
+    p.add_argument("--slurm", action="store_true",
+                   help="under srun: take --listen, --advertise, --peers, --rank and --world-size from the SLURM "
+                        "environment (every task of the step is a member; flags given explicitly win)")
+    p.add_argument("--slurm-port", type=_positive_int("--slurm-port"), default=None, metavar="PORT",
+                   help="with --slurm: task SLURM_LOCALID listens on PORT + SLURM_LOCALID (default: 29400)")
     add_training_args(p)
     p.set_defaults(device="auto", timeout=5.0)  # real rounds: a few heartbeats, not the simulator's 30 s
     p.add_argument("--rank", type=int, metavar="R", help="data shard index (with --world-size); default: this "
@@ -227,8 +282,17 @@ def build_node_parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate", action="append", default=None, metavar="CLASS:SPEC",
                    help="emulate slow links on one machine (off by default): CLASS intra, inter or all, SPEC as "
                         "--link in gossip-sim, e.g. inter:latency=50ms,bandwidth=100Mbit,loss=0.01; repeatable")
+    p.add_argument("--curve-keys", metavar="DIR",
+                   help="encrypt and authenticate with CurveZMQ: DIR/node.key_secret is this node's key pair, "
+                        "DIR/allowed/*.key the public keys of the nodes allowed in (make them with gossip-keys)")
     p.add_argument("--threads", type=_positive_int("--threads"), default=None, metavar="N",
                    help="torch intra-op threads (default: torch's choice; use 1 when several nodes share a machine)")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="also write the metrics as TensorBoard scalars in DIR/<node id>/ (needs the tensorboard extra)")
+    bar = p.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
+                     help="always draw the progress bar (default: only when stderr is a terminal)")
+    bar.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="never draw it")
     return p
 
 
@@ -246,7 +310,7 @@ def _load_toml(path: str) -> dict[str, Any]:
         raise ValueError(f"config {path}: {e}") from None
     out: dict[str, Any] = {}
     for key, value in data.items():
-        dest = key.replace("-", "_")
+        dest = {"async": "asynchronous"}.get(key, key.replace("-", "_"))
         if dest not in NODE_FLAGS or dest == "config":
             raise ValueError(f"config {path}: unknown option {key!r}; valid: "
                              + ", ".join(sorted(k.replace('_', '-') for k in NODE_FLAGS)))
@@ -262,6 +326,17 @@ def _load_toml(path: str) -> dict[str, Any]:
     return out
 
 
+def _own_peers(peers: list[str], listen: str, advertise: str | None) -> tuple[str, ...]:
+    """Peers in order, each once, without this node (a shared host list names every node)."""
+    from gossip.membership import parse_address
+
+    normal = [parse_address(p, "--peers entry") for p in peers]
+    me = {parse_address(listen, "--listen")}
+    if advertise:
+        me.add(parse_address(advertise, "--advertise"))
+    return tuple(dict.fromkeys(p for p in normal if p not in me))
+
+
 def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Namespace]:
     """Parse flags (and --config), returning (PeerConfig, namespace)."""
     from gossip.peer import PeerConfig
@@ -270,15 +345,38 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
     defaults = {a.dest: a.default for a in parser._actions if a.dest != "help"}
     parser.set_defaults(**{k: None for k in defaults})  # to tell "given" from "defaulted"
     args = parser.parse_args(argv)
-    given = {k: v for k, v in vars(args).items() if v is not None and v is not False}
+    given = {k: v for k, v in vars(args).items() if v is not None and (v is not False or k == "progress")}
     merged = dict(defaults)
     if args.config:
         merged.update(_load_toml(args.config))
     merged.update(given)
+    peers = [p.strip() for p in (merged.get("peers") or "").split(",") if p.strip()]
+    if merged.get("peers_file"):
+        from gossip.launch import read_peers_file
+
+        peers += read_peers_file(merged["peers_file"])
+    if merged.get("slurm"):
+        import os
+
+        from gossip.launch import DEFAULT_SLURM_PORT, from_slurm
+
+        task = from_slurm(os.environ, merged.get("slurm_port") or DEFAULT_SLURM_PORT)
+        if not merged.get("listen"):  # what the flags or the config file name explicitly wins
+            merged["listen"] = task.listen
+            if not merged.get("advertise"):
+                merged["advertise"] = task.node_id
+        if merged.get("rank") is None and merged.get("world_size") is None:
+            merged["rank"], merged["world_size"] = task.rank, task.world_size
+        if not peers:
+            peers = list(task.peers)
+    elif merged.get("slurm_port") is not None:
+        raise ValueError("--slurm-port goes with --slurm")
     if not merged.get("listen"):
         raise ValueError("--listen tcp://HOST:PORT is required (flag or config file)")
-    peers = tuple(p.strip() for p in (merged.get("peers") or "").split(",") if p.strip())
+    peers = _own_peers(peers, merged["listen"], merged.get("advertise"))
     options = {"gamma": merged["gamma"]} if merged.get("gamma") is not None else {}
+    if merged.get("clip") is not None:
+        options["clip"] = _clip_arg(str(merged["clip"]))
     cfg = PeerConfig(listen=merged["listen"], peers=peers, advertise=merged.get("advertise"),
                      topology=merged["topology"], algorithm=merged["algorithm"], compression=merged["compression"],
                      period=merged["period"], task=merged["task"], split=merged["split"], steps=merged["steps"],
@@ -288,12 +386,29 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
                      join_timeout=merged["join_timeout"], join_margin=merged["join_margin"], grace=merged["grace"],
                      checkpoint_dir=merged.get("checkpoint_dir"), checkpoint_every=merged["checkpoint_every"],
                      resume=bool(merged.get("resume")), log=merged.get("log"), eval_every=merged["eval_every"],
-                     max_message_mb=merged["max_message_mb"], options=options,
-                     emulate=tuple(merged.get("emulate") or ()))
+                     max_message_mb=merged["max_message_mb"], options=options, curve_keys=merged.get("curve_keys"),
+                     emulate=tuple(merged.get("emulate") or ()), asynchronous=bool(merged.get("asynchronous")),
+                     staleness=merged.get("staleness"), overlap=bool(merged.get("overlap")),
+                     link_policy=tuple(merged.get("link_policy") or ()), tensorboard=merged.get("tensorboard"))
     args.json = bool(merged.get("json"))
+    args.progress = merged.get("progress")
     args.threads = merged.get("threads")
     args.verbose = merged.get("verbose") or 0
     return cfg, args
+
+
+def _progress_bar(peer: Any, progress: bool | None) -> Any:
+    """A one-line progress bar on stderr (when it is a terminal, or forced), fed after every step."""
+    from gossip.progress import ClearBarBeforeLogging, PeerProgress, ProgressBar
+
+    bar = ProgressBar(peer.cfg.steps, enabled=progress)
+    if not bar.enabled:
+        return None
+    for handler in logging.getLogger().handlers:  # log lines erase the bar first, the next step redraws it
+        if getattr(handler, "stream", None) is bar.stream:
+            handler.addFilter(ClearBarBeforeLogging(bar))
+    peer.on_step = PeerProgress(bar, peer.cfg.steps)
+    return bar
 
 
 def node_main(argv: Sequence[str] | None = None) -> int:
@@ -312,6 +427,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         peer = Peer(cfg)
     except ValueError as e:
         return _fail("gossip-node", str(e))
+    bar = _progress_bar(peer, args.progress)
 
     def stop(signum: int, frame: Any) -> None:
         if peer.stop.is_set():  # a second signal: leave now
@@ -329,6 +445,9 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         return _fail("gossip-node", str(e))
     except PeerError as e:
         return _fail("gossip-node", str(e))
+    finally:
+        if bar is not None:
+            bar.close()
     if args.json:
         print(json.dumps(summary, default=_json_default), flush=True)
     else:
