@@ -201,6 +201,9 @@ def test_config_file_and_flags(tmp_path):
     (["--rank", "3"], "--rank and --world-size go together"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--split", "dirichlet:0"], "ALPHA"),
+    (["--clip", "-1"], "clip must be a positive radius"),
+    (["--clip", "wide"], "--clip must be a number or 'auto'"),
+    (["--clip", "auto", "--compression", "topk:0.1"], "synchronous uncompressed"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, needle, capsys):
     from gossip.cli import node_main
@@ -209,3 +212,16 @@ def test_bad_flags_exit_2_with_one_line(args, needle, capsys):
         raise SystemExit(node_main(["--listen", f"tcp://127.0.0.1:{free_port()}", *args]))
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_clip_reaches_the_mixing_rule():
+    from gossip.cli import node_config_from_args
+    from gossip.peer import Peer
+
+    cfg, _ = node_config_from_args(["--listen", f"tcp://127.0.0.1:{free_port()}", "--clip", "0.5"])
+    peer = Peer(cfg)
+    try:
+        peer._start("fresh")
+        assert peer.node.rule.clip == 0.5
+    finally:
+        peer.close()
