@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gossip  # noqa: E402
-from tests.cluster import Cluster, free_port  # noqa: E402
+from tests.cluster import Cluster, free_port, wait_for_step  # noqa: E402
 
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*removed: silent")
 
@@ -66,12 +66,7 @@ def crash(steps: int, dead_after: float, n: int = 8) -> dict:
                 victims = [nodes[2], nodes[5]]
                 killed_at = None
                 if run == "faulty":
-                    deadline = time.monotonic() + 600
-                    while time.monotonic() < deadline:
-                        text = metrics.read_text() if metrics.exists() else ""
-                        if any(json.loads(ln).get("step", 0) >= steps // 2 for ln in text.splitlines() if ln):
-                            break
-                        time.sleep(0.1)
+                    wait_for_step(metrics, steps // 2, 600)
                     killed_at = time.time()
                     for v in victims:
                         v.proc.send_signal(signal.SIGKILL)

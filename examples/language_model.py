@@ -21,7 +21,6 @@ import json
 import math
 import sysconfig
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 

@@ -25,10 +25,10 @@ from gossip.membership import topology_for
 from gossip.mixing.policy import build_policies, parse_link_policies
 from gossip.node import Node, NodeConfig, init_model
 from gossip.progress import ProgressBar
-from gossip.simulator import ComputeModel, Simulator, parse_compute, parse_slow
+from gossip.simulator import Simulator, parse_compute, parse_slow
 from gossip.state import FlatState
 from gossip.tasks import get_task
-from gossip.transport.sim import LAN, WAN, LinkModel, SimNetwork, parse_link
+from gossip.transport.sim import LAN, WAN, SimNetwork, parse_link
 
 __all__ = ["SimConfig", "Simulation", "SimulationResult", "simulate", "consensus_distance", "average_params"]
 

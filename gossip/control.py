@@ -73,7 +73,7 @@ class ControlPlane:
     def __init__(self, node_id: str, incarnation: int, fingerprint: str, dc: str, membership: Membership,
                  lock: threading.RLock, send: Callable[[str, Message], None], to_node: Callable[[Message], None],
                  progress: Callable[[], tuple[str, int, int]], *, heartbeat: float = 0.5,
-                 seeds: tuple[str, ...] = ()) -> None:
+                 seeds: tuple[str, ...] = (), reconnect: Callable[[str], None] | None = None) -> None:
         self.id, self.incarnation, self.fingerprint, self.dc = node_id, incarnation, fingerprint, dc
         self.m = membership
         self.lock = lock
@@ -81,6 +81,7 @@ class ControlPlane:
         self.to_node = to_node
         self.progress = progress
         self.heartbeat = heartbeat
+        self.reconnect = reconnect
         self.seeds = {s: [0.0, heartbeat] for s in seeds if s != node_id}  # id -> [next try, backoff]
         self.rejected: Counter[str] = Counter()
         self.conflicts: dict[str, str] = {}  # peer -> why we refuse it (fingerprint, version)
@@ -268,6 +269,11 @@ class ControlPlane:
                     log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
                     new_member = True
                 reply = "members"
+        with self.lock:
+            renewed = self.m.take_renewed()
+        for mid in renewed if self.reconnect is not None else ():
+            # a connection that kept retrying a dead life backs off for seconds: start afresh
+            self.reconnect(mid)
         if reply:
             self.send(peer, self._members_message())
         if new_member:

@@ -20,11 +20,22 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-__all__ = ["Member", "Membership", "parse_address", "endpoint", "topology_for"]
+__all__ = ["Member", "Membership", "parse_address", "endpoint", "node_file_name", "topology_for"]
 
 log = logging.getLogger("gossip.membership")
 
 _ADDR = re.compile(r"^(?:tcp://)?(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
+_UNSAFE_IN_NAMES = re.compile(r"[^A-Za-z0-9.\-]")
+
+
+def node_file_name(node_id: str) -> str:
+    """``node_id`` as a file or directory name (every character outside
+    ``[A-Za-z0-9.-]`` becomes ``_``).
+
+    >>> node_file_name("10.0.0.1:5555")
+    '10.0.0.1_5555'
+    """
+    return _UNSAFE_IN_NAMES.sub("_", node_id)
 
 
 def parse_address(text: str, what: str = "address") -> str:
@@ -83,6 +94,9 @@ class Membership:
     joins: dict[str, int] = field(default_factory=dict)
     leaves: dict[str, int] = field(default_factory=dict)  # id -> first round it no longer takes part in
     leave_margin: int = 5  # rounds between announcing a death or goodbye and adopting it
+    # members that appeared or came back (a new life, or re-admitted) since the last
+    # take_renewed(): a connection kept towards an earlier life must be opened afresh
+    renewed: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.members[self.self_id] = Member(self.self_id, self.incarnation, 0.0, "waiting", dc=self.dc,
@@ -135,6 +149,7 @@ class Membership:
                 log.info("member %s restarted (incarnation %d -> %d)", sender, m.incarnation, inc)
                 changed = True
             m = self.members[sender] = Member(sender, inc, now)
+            self.renewed.add(sender)
             self.dead.pop(sender, None)
         elif inc < m.incarnation:
             return False  # stale: from an older life of that node
@@ -169,6 +184,7 @@ class Membership:
             if self.dead.get(mid, -1) >= inc or self.departed.get(mid, -1) >= inc:
                 continue
             self.members[mid] = Member(mid, inc, now)
+            self.renewed.add(mid)
             self.dead.pop(mid, None)
             log.info("member %s learned from a member list", mid)
             changed = True
@@ -195,6 +211,11 @@ class Membership:
         self.version += 1
         log.warning("member %s removed: %s", mid, reason)
         return True
+
+    def take_renewed(self) -> list[str]:
+        """The ids that (re)appeared since the last call."""
+        out, self.renewed = sorted(self.renewed), set()
+        return out
 
     def expire(self, now: float) -> list[str]:
         """Declare members silent for ``dead_after`` seconds dead; returns their ids."""

@@ -26,7 +26,7 @@ import math
 from collections import Counter
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Sequence
+from typing import Any, Generator, Sequence
 
 import torch
 

@@ -51,7 +51,7 @@ from gossip.security import load_curve
 from gossip.state import FlatState, fingerprint_of
 from gossip.tasks import get_task
 from gossip.transport.sim import LinkModel, SimNetwork, parse_link
-from gossip.transport.zmq import BindError, ZmqTransport
+from gossip.transport.zmq import ZmqTransport
 
 __all__ = ["PeerConfig", "Peer", "PeerError", "GossipNode", "resolve_device"]
 
@@ -262,7 +262,8 @@ class Peer:
         cap = config.max_message_mb * 2**20 if config.max_message_mb else 2 * self.model_bytes + 2**20
         self.control = ControlPlane(self.id, self.incarnation, self.fingerprint, config.dc, self.membership,
                                     self.lock, self._send_message, self.inbound.put, self._progress,
-                                    heartbeat=config.heartbeat, seeds=tuple(parse_address(p) for p in config.peers))
+                                    heartbeat=config.heartbeat, seeds=tuple(parse_address(p) for p in config.peers),
+                                    reconnect=self._reconnect)
         listen = "tcp://" + parse_address(config.listen, "--listen")
         links = emulated_links(config.emulate)
         self.shaper = None if links is None else SimNetwork(links, self._link_class, seed=config.seed)
@@ -279,6 +280,10 @@ class Peer:
 
     def _send_message(self, dst: str, msg: Message) -> None:
         self.transport.send(dst, wire.encode(msg), droppable=False)  # control traffic
+
+    def _reconnect(self, peer: str) -> None:
+        if peer != self.id:
+            self.transport.forget(peer)
 
     def _tick(self, now: float) -> None:
         dead = self.control.tick(now)
@@ -344,16 +349,24 @@ class Peer:
         seeds = [parse_address(p) for p in cfg.peers]
         self.control.hello_all([s for s in seeds if s != self.id])
         warned = False
-        last_note = start
+        last_note = asked = start
         while not self.stop.is_set():
             self._service(0.05)
             now = self.clock()
             with self.lock:
                 others = self.membership.others()
                 running = [m for m in others if self.membership.members[m].status in ("training", "done")]
+                base_known = bool(self.membership.base)
                 in_base = self.id in self.membership.base
             if running:
-                return "member" if in_base else "join"
+                if base_known:
+                    return "member" if in_base else "join"
+                if now - asked >= cfg.heartbeat:
+                    # a ping said "training" before the start announcement (with the starting
+                    # member set) got here, e.g. over a slower link: ask for the member set
+                    asked = now
+                    self.control.hello_all(running[:1])
+                continue
             if others:
                 # a seed that never answers stops holding the start back after join_timeout
                 ok, why = self.control.settled(now, cfg.settle, seeds=now - start < cfg.join_timeout)

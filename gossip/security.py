@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import shutil
 import stat
 import sys
@@ -57,7 +56,6 @@ log = logging.getLogger("gossip.security")
 SECRET_FILE = "node.key_secret"
 ALLOWED_DIR = "allowed"
 ZAP_DOMAIN = "gossip"
-_UNSAFE = re.compile(r"[^A-Za-z0-9.\-]")
 
 
 class KeyDirError(ValueError):
@@ -70,7 +68,9 @@ def key_file_name(node_id: str) -> str:
     >>> key_file_name("10.0.0.1:5555")
     '10.0.0.1_5555'
     """
-    return _UNSAFE.sub("_", node_id)
+    from gossip.membership import node_file_name
+
+    return node_file_name(node_id)
 
 
 def _load_public(path: Path) -> bytes:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import re
 from os import PathLike
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -63,7 +62,9 @@ def require_tensorboard() -> None:
 
 def run_name(node_id: str) -> str:
     """A directory name for one node's run, e.g. ``10.0.0.1:5555`` -> ``10.0.0.1_5555``."""
-    return re.sub(r"[^A-Za-z0-9_.\-]", "_", node_id)
+    from gossip.membership import node_file_name
+
+    return node_file_name(node_id)
 
 
 class TensorBoardLog:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from gossip.checkpoint import latest_checkpoint, load_checkpoint
-from tests.cluster import Cluster, free_port
+from tests.cluster import Cluster, free_port, wait_for_step
 
 FAST = ["--heartbeat", "0.25", "--dead-after", "2", "--settle", "1", "--grace", "5", "--timeout", "5"]
 
@@ -38,12 +37,7 @@ def test_killing_two_of_eight_nodes_costs_only_their_work(tmp_path):
                      for i in range(n)]
             victims = [nodes[2], nodes[5]]
             if run == "faulty":  # mid-training: once node 0 has logged half the steps
-                deadline = time.monotonic() + 300
-                while time.monotonic() < deadline:
-                    text = metrics.read_text() if metrics.exists() else ""
-                    if any(json.loads(ln).get("step", 0) >= steps // 2 for ln in text.splitlines() if ln):
-                        break
-                    time.sleep(0.2)
+                wait_for_step(metrics, steps // 2, 300)
                 for v in victims:
                     v.proc.send_signal(signal.SIGKILL)  # no goodbye: a crash
             survivors = [x for x in nodes if run == "clean" or x not in victims]

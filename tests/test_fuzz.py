@@ -39,10 +39,7 @@ import zmq
 from gossip import wire
 from gossip.compression import get_codec
 from gossip.message import Message
-from gossip.node import init_model
 from gossip.peer import Peer, PeerConfig
-from gossip.state import FlatState
-from gossip.tasks import get_task
 from tests.cluster import Cluster, free_port
 
 STEPS = 3000  # long enough that A is still training when the last hostile message lands

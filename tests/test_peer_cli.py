@@ -14,7 +14,6 @@ import torch
 import zmq
 
 import gossip
-from gossip import wire
 from gossip.checkpoint import latest_checkpoint, load_checkpoint
 from tests.cluster import Cluster, free_port
 

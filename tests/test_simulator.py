@@ -9,7 +9,6 @@ import torch
 
 import gossip
 from gossip.api import SimConfig, build_nodes, consensus_distance
-from gossip.mixing import PushSumRule
 from gossip.simulator import ComputeModel, Simulator, parse_compute, parse_slow
 from gossip.transport.sim import LAN, WAN, LinkModel, SimNetwork, parse_link
 from tests.helpers import FrozenTask

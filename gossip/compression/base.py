@@ -16,7 +16,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 
 __all__ = [

@@ -12,7 +12,6 @@ not bias the average.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
