@@ -27,6 +27,7 @@ from torch import nn
 
 import gossip
 from gossip.tasks import ClassificationTask
+from gossip.peer import resolve_device
 
 SHORT_MIN_ACCURACY = 0.90  # the short form's pass mark on digits (it reaches ~0.99)
 
@@ -179,9 +180,6 @@ def task(data: str = "digits", *, lr: float = 0.05, batch_size: int = 32, width:
                      test_limit=test_limit)
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -196,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="per-node minibatch (default: 32)")
     p.add_argument("--width", type=int, default=16, help="channels of the first stage (default: 16)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:N (default: cuda when available)")
+    p.add_argument("--device", default=str(resolve_device("auto")),
+                   help="cpu, cuda, cuda:N (default: cuda when available)")
     p.add_argument("--out", default=None, help="write JSON-lines metrics here (for gossip-plot)")
     return p
 

@@ -32,6 +32,7 @@ from torch import nn
 import gossip
 from gossip.data import BatchStream, Split, node_seed, parse_split, split_indices
 from gossip.tasks import Task
+from gossip.peer import resolve_device
 
 # The short form must beat the unigram baseline by this factor (it reaches ~0.4x).
 SHORT_MAX_PERPLEXITY_RATIO = 0.6
@@ -235,9 +236,6 @@ def task(*, max_chars: int = 2_000_000, block: int = 64, dim: int = 96, heads: i
                       batch_size=batch_size, eval_windows=eval_windows)
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -253,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=int, default=None, help="context length in characters (default: 64, short: 32)")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: 3e-3)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:N (default: cuda when available)")
+    p.add_argument("--device", default=str(resolve_device("auto")),
+                   help="cpu, cuda, cuda:N (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads during the run (default: 1, fastest for small models on a busy machine)")
     p.add_argument("--out", default=None, help="write JSON-lines metrics here (for gossip-plot)")

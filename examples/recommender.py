@@ -35,6 +35,7 @@ import gossip
 from gossip.data import BatchStream, Split, node_seed, parse_split, split_indices
 from gossip.datasets import Ratings, load_movielens
 from gossip.tasks import Task
+from gossip.peer import resolve_device
 
 # Short-form pass marks: the uncompressed model must beat predicting the training mean
 # by this factor, and int8 must cost at most this much extra RMSE for ~1/4 of the bytes.
@@ -161,9 +162,6 @@ def task(data: str = "synthetic", *, dim: int = 16, lr: float = 0.05, batch_size
     return RatingTask(ratings, dim=dim, lr=lr, batch_size=batch_size)
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -179,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, default=16, help="embedding width (default: 16)")
     p.add_argument("--lr", type=float, default=0.05, help="Adam learning rate (default: 0.05)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:N (default: cuda when available)")
+    p.add_argument("--device", default=str(resolve_device("auto")),
+                   help="cpu, cuda, cuda:N (default: cuda when available)")
     p.add_argument("--out", default=None, metavar="PREFIX",
                    help="write JSON-lines metrics to PREFIX-CODEC.jsonl, one file per codec (for gossip-plot)")
     return p

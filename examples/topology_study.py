@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 
 import gossip
 import topologies as T
 from gossip.plot import plot_runs, read_metrics
+from gossip.peer import resolve_device
 
 # (topology spec, mixing rule): one-peer exponential changes every round, which needs push-sum
 STUDY = (
@@ -52,9 +52,6 @@ def spectral_gap(spec: str, nodes: int) -> float | None:
     return float(T.spectral_gap(topology.mixing_matrix()))
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -67,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of: {', '.join(t for t, _ in STUDY)}")
     p.add_argument("--link", default="lan", help="link model, as gossip-sim --link (default: lan)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:N (default: cuda when available)")
+    p.add_argument("--device", default=str(resolve_device("auto")),
+                   help="cpu, cuda, cuda:N (default: cuda when available)")
     p.add_argument("--out-dir", default="runs/topology_study", help="where the JSONL files and the PNG go")
     return p
 

@@ -36,11 +36,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 
 import gossip
 from gossip.compression import get_codec
 from gossip.plot import plot_runs, read_metrics
+from gossip.peer import resolve_device
 
 INTRA_LINK = "latency=0.2ms,bandwidth=10Gbit"
 INTER_BANDWIDTH = "100Mbit"
@@ -68,9 +68,6 @@ def time_to(history: list[dict[str, Any]], target: float) -> float | None:
     return next((h["time"] for h in history if h["accuracy"] >= target), None)
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -84,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-codec", default="topk:0.05",
                    help="codec of the inter-datacenter links in the compressed config (default: topk:0.05)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:N (default: cuda when available)")
+    p.add_argument("--device", default=str(resolve_device("auto")),
+                   help="cpu, cuda, cuda:N (default: cuda when available)")
     p.add_argument("--out-dir", default="runs/two_dc_study", help="where the JSONL files and the PNG go")
     return p
 

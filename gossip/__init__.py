@@ -19,7 +19,7 @@ def __getattr__(name: str):
 
         return getattr(api, name)
     if name == "GossipNode":
-        from gossip.peer import GossipNode
+        from gossip.user_loop import GossipNode
 
         return GossipNode
     raise AttributeError(f"module 'gossip' has no attribute {name!r}")

@@ -81,6 +81,14 @@ def _clip_arg(text: str | None) -> float | str | None:
     return text if text is None or text == "auto" else _float_arg("--clip", text)
 
 
+def add_progress_args(p: argparse.ArgumentParser) -> None:
+    """--progress / --no-progress (default: a bar only when stderr is a terminal)."""
+    bar = p.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
+                     help="always draw the progress bar (default: only when stderr is a terminal)")
+    bar.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="never draw it")
+
+
 def add_training_args(p: argparse.ArgumentParser) -> None:
     """Options shared by gossip-sim and gossip-node."""
     from gossip.mixing import ALGORITHMS
@@ -154,10 +162,7 @@ def build_sim_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="FILE.jsonl", help="write metrics as JSON lines")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write the metrics as TensorBoard scalars in DIR (needs the tensorboard extra)")
-    bar = p.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
-                     help="always draw the progress bar")
-    bar.add_argument("--no-progress", dest="progress", action="store_false", help="never draw it")
+    add_progress_args(p)
     return p
 
 
@@ -289,10 +294,7 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads (default: torch's choice; use 1 when several nodes share a machine)")
     p.add_argument("--tensorboard", metavar="DIR",
                    help="also write the metrics as TensorBoard scalars in DIR/<node id>/ (needs the tensorboard extra)")
-    bar = p.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
-                     help="always draw the progress bar (default: only when stderr is a terminal)")
-    bar.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="never draw it")
+    add_progress_args(p)
     return p
 
 

@@ -53,7 +53,7 @@ from gossip.tasks import get_task
 from gossip.transport.sim import LinkModel, SimNetwork, parse_link
 from gossip.transport.zmq import ZmqTransport
 
-__all__ = ["PeerConfig", "Peer", "PeerError", "GossipNode", "resolve_device"]
+__all__ = ["PeerConfig", "Peer", "PeerError", "resolve_device"]
 
 log = logging.getLogger("gossip.peer")
 
@@ -218,7 +218,7 @@ class Peer:
         self.clock = time.monotonic
         self.t0 = self.clock()
         self.user_model, self.user_optimizer = model, optimizer
-        if model is not None:  # a training loop of the caller's own (GossipNode)
+        if model is not None:  # a training loop of the caller's own (gossip.user_loop.GossipNode)
             self.task = None
             self.device = next(model.parameters()).device
             self.fingerprint = fingerprint_of(model)
@@ -777,68 +777,3 @@ def _jsonable(o: Any) -> Any:
     if isinstance(o, float) and not math.isfinite(o):
         return None
     return str(o)
-
-
-class GossipNode:
-    """Gossip for a training loop of your own (the Horovod-style path).
-
-    Wrap the model once, call :meth:`step` after every ``optimizer.step()``::
-
-        node = GossipNode(model, optimizer, listen="tcp://10.0.0.1:5555", peers=["10.0.0.2:5555"],
-                          topology="exponential", period=4)
-        shard = my_dataset[node.rank::node.world_size]   # any data split of yours
-        for x, y in loader(shard):
-            optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
-            node.step()
-        node.close()
-
-    The constructor joins the cluster (blocking until training starts, like
-    ``gossip-node``). Keyword options are :class:`PeerConfig` fields.
-    """
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, listen: str,
-                 peers: Any = (), **options: Any) -> None:
-        if isinstance(peers, str):
-            peers = [p for p in peers.split(",") if p.strip()]
-        self.peer = Peer(PeerConfig(listen=listen, peers=tuple(peers), **options), model=model, optimizer=optimizer)
-        try:
-            if not self.peer.start():
-                raise PeerError("stopped before training started")
-        except BaseException:
-            self.peer.close()
-            raise
-
-    @property
-    def rank(self) -> int:
-        """This node's index among the members it started with (for picking a data shard)."""
-        return int(self.peer.rank)
-
-    @property
-    def world_size(self) -> int:
-        return int(self.peer.world_size)
-
-    @property
-    def members(self) -> list[str]:
-        return list(self.peer.node.members) if self.peer.node else []
-
-    def step(self) -> None:
-        """After ``optimizer.step()``: exchange and mix every ``period`` calls."""
-        self.peer.step()
-
-    def neighbor_distance(self) -> float:
-        return self.peer.neighbor_distance()
-
-    def close(self) -> dict[str, Any]:
-        """Finish (serve slower peers for up to ``grace`` s), say goodbye; returns the summary."""
-        try:
-            self.peer.complete_pending()
-            self.peer.finish()
-            return self.peer.summary()
-        finally:
-            self.peer.close()
-
-    def __enter__(self) -> "GossipNode":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
