@@ -258,7 +258,8 @@ def attack(peer: Peer, b_id: str, scale: int = 1) -> dict[str, Any]:
         oversize = 5
         for i in range(oversize):
             s = dealer(f"127.0.0.1:{60000 + i}", RECONNECT_IVL=-1)  # one connection each, never renewed
-            s.send_multipart(fuzz.state(f"127.0.0.1:{60000 + i}", values=torch.zeros(big // 4 + 1)))
+            frames = fuzz.state(f"127.0.0.1:{60000 + i}", values=torch.zeros(big // 4 + 1))
+            s.send_multipart([*frames[:2], b"".join(frames[2:])])  # the payload as one frame above the cap
         wait_until(lambda: peer.transport.events["disconnected"] - before >= oversize, 20, "oversize disconnects")
         disconnects = peer.transport.events["disconnected"] - before
         assert rejected_total(peer) == 0  # none of them reached the node

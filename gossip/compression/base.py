@@ -117,10 +117,14 @@ class Codec:
         into an equal codec, e.g. ``"topk:0.01"``.
     default_gamma : float
         Suggested CHOCO consensus step size for this codec.
+    aliases_input : bool
+        Whether :meth:`encode`'s buffers may view the input's memory (then a
+        sender must encode a snapshot, not parameters it keeps training).
     """
 
     name: str = ""
     default_gamma: float = 1.0
+    aliases_input: bool = False
 
     @property
     def spec(self) -> str:
@@ -151,7 +155,7 @@ class Codec:
         Returns
         -------
         Encoded
-            Its buffers never alias ``x`` unless the codec documents otherwise
+            Its buffers never alias ``x`` unless :attr:`aliases_input` says so
             (only :class:`~gossip.compression.cast.IdentityCodec` on CPU does).
         """
         check_input(x)

@@ -46,6 +46,7 @@ class IdentityCodec(Codec):
 
     name = "identity"
     default_gamma = 1.0
+    aliases_input = True
 
     def encode(self, x: torch.Tensor, *, seed: int = 0) -> Encoded:
         if type(self) is IdentityCodec and type(x) is torch.Tensor and x.device.type == "cpu" and x.dim() == 1 \

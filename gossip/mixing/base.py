@@ -14,7 +14,8 @@ from typing import Any, Iterable
 
 import torch
 
-from gossip.compression import Codec, get_codec, get_decoder
+from gossip.buffers import pooled_copy
+from gossip.compression import Codec, Encoded, get_codec, get_decoder
 from gossip.message import Message, Packet
 
 __all__ = ["Inbox", "MixingRule", "MixReport", "all_finite", "decode_payload"]
@@ -129,6 +130,15 @@ class MixingRule:
 
     def outgoing(self, x: torch.Tensor, topology: Any, me: int, rnd: int) -> list[tuple[int, Packet]]:
         raise NotImplementedError
+
+    def encode_state(self, x: torch.Tensor) -> Encoded:
+        """``x`` encoded for sending while training goes on changing it.
+
+        A codec whose encoding views its input (identity on CPU) encodes a
+        snapshot, taken into a pooled buffer (:func:`gossip.buffers.pooled_copy`);
+        any other codec's encoding is a copy already, so ``x`` goes in as it is.
+        """
+        return self.codec.encode(pooled_copy(x) if self.codec.aliases_input else x)
 
     def ready(self, inbox: Inbox, topology: Any, me: int, rnd: int) -> bool:
         """Whether every expected message of round ``rnd`` is in (synchronous rules wait for this)."""

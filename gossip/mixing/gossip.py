@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from gossip.buffers import pooled_copy
 from gossip.message import Packet
 from gossip.mixing.base import Inbox, MixingRule, MixReport
 
@@ -56,10 +57,12 @@ class GossipRule(MixingRule):
         receivers = self.receivers
         if not receivers:
             return []
-        snap = x.clone()
         if self.overlap:
-            self._sent[rnd] = snap  # the mix of this round happens later, against this reference
-        packet = Packet(self.codec.encode(snap))  # one snapshot shared by every receiver
+            # the mix of this round happens later, against the values sent now
+            snap = self._sent[rnd] = pooled_copy(x)
+            packet = Packet(self.codec.encode(snap))
+        else:
+            packet = Packet(self.encode_state(x))  # one encoding shared by every receiver
         return [(j, packet) for j in receivers]
 
     def mix(self, x: torch.Tensor, inbox: Inbox, topology: Any, me: int, rnd: int, progress: int) -> MixReport:

@@ -43,7 +43,7 @@ class PushSumRule(MixingRule):
             self._kept = self.weight
             return []
         # z travels once; each receiver's share of the mass rides in the packet weight.
-        data = self.codec.encode(x.clone())
+        data = self.encode_state(x)
         return [(j, Packet(data, weight=shares[j] * self.weight)) for j in receivers]
 
     def mix(self, x: torch.Tensor, inbox: Inbox, topology: Any, me: int, rnd: int, progress: int) -> MixReport:

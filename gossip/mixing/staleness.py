@@ -111,7 +111,7 @@ class AsyncGossipRule(MixingRule):
         self.round_weights(topology, me, rnd)
         if not self.receivers:
             return []
-        packet = Packet(self.codec.encode(x.clone()))  # the progress counter rides in the message header
+        packet = Packet(self.encode_state(x))  # the progress counter rides in the message header
         return [(j, packet) for j in self.receivers]
 
     def ready(self, inbox: Inbox, topology: Any, me: int, rnd: int) -> bool:
