@@ -61,9 +61,10 @@ pool = BufferPool()
 
 def pooled_copy(x: torch.Tensor) -> torch.Tensor:
     """A detached copy of ``x`` (contiguous, same dtype and device), safe to send
-    while ``x`` keeps changing. Large CPU tensors are copied into a pooled block."""
+    while ``x`` keeps changing. Large CPU tensors are copied into a pooled block,
+    small ones (where malloc reuses memory by itself) are cloned."""
     nbytes = x.numel() * x.element_size()
-    if x.device.type != "cpu" or nbytes < POOL_MIN or x.dtype == torch.bool:
-        return x.detach().clone(memory_format=torch.contiguous_format)
+    if nbytes < POOL_MIN or x.device.type != "cpu":
+        return x.clone(memory_format=torch.contiguous_format) if not x.requires_grad else x.detach().contiguous().clone()
     out = torch.from_numpy(pool.get(nbytes)).view(x.dtype).view(x.shape)
     return out.copy_(x.detach())
