@@ -68,12 +68,20 @@ class ControlPlane:
     progress : returns this node's (status, round, step)
     heartbeat : seconds between pings
     seeds : ``HOST:PORT`` ids to contact until they answer
+    reconnect : ``reconnect(peer)`` when a member came back: open a fresh connection
+    excluded : ``excluded(round, by)`` when a training member announces that this
+        node, alive and training, leaves at ``round``: it was declared dead (silent
+        for longer than ``dead_after``, e.g. a paused process) and must join again
+    clock : when given, read on every incoming message, so a message is timed when
+        it is handled (otherwise ``now`` is the last tick's time)
     """
 
     def __init__(self, node_id: str, incarnation: int, fingerprint: str, dc: str, membership: Membership,
                  lock: threading.RLock, send: Callable[[str, Message], None], to_node: Callable[[Message], None],
                  progress: Callable[[], tuple[str, int, int]], *, heartbeat: float = 0.5,
-                 seeds: tuple[str, ...] = (), reconnect: Callable[[str], None] | None = None) -> None:
+                 seeds: tuple[str, ...] = (), reconnect: Callable[[str], None] | None = None,
+                 excluded: Callable[[int, str], None] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.id, self.incarnation, self.fingerprint, self.dc = node_id, incarnation, fingerprint, dc
         self.m = membership
         self.lock = lock
@@ -82,6 +90,7 @@ class ControlPlane:
         self.progress = progress
         self.heartbeat = heartbeat
         self.reconnect = reconnect
+        self.excluded = excluded
         self.seeds = {s: [0.0, heartbeat] for s in seeds if s != node_id}  # id -> [next try, backoff]
         self.rejected: Counter[str] = Counter()
         self.conflicts: dict[str, str] = {}  # peer -> why we refuse it (fingerprint, version)
@@ -92,6 +101,8 @@ class ControlPlane:
         self.last_change = 0.0
         self.last_ping = 0.0
         self.now = 0.0
+        self.clock = clock
+        self._last_tick: float | None = None
 
     # -- helpers ---------------------------------------------------------------------------
     def reject(self, peer: str, reason: str, detail: str = "", *, count: bool = True) -> None:
@@ -142,6 +153,8 @@ class ControlPlane:
     def on_frames(self, ident: bytes, frames: list) -> None:
         """Decode, check and dispatch one incoming multipart."""
         peer = ident.decode(errors="replace")
+        if self.clock is not None:
+            self.now = self.clock()
         try:
             msg = wire.decode(frames)
         except wire.WireError as e:
@@ -214,6 +227,7 @@ class ControlPlane:
         lids = _str_list(x, "lids")
         lrounds = _int_list(x, "lrounds", len(lids)) if lids is not None else None
         reply = None
+        excluded_at = None
         with self.lock:
             before = self.m.version
             old = self.m.members.get(peer)
@@ -237,6 +251,14 @@ class ControlPlane:
             if lids is not None and lrounds is not None:
                 rejoining = set(jids or ())
                 for j, r in zip(lids, lrounds):
+                    if j == self.id:
+                        # the cluster drops us while we train: it declared this life dead. A
+                        # leave not after our own first round is an earlier life's, long done.
+                        trains_with_us = peer in self.m.base or peer in self.m.joins
+                        if status != "waiting" and trains_with_us and self.progress()[0] == "training" \
+                                and r > self.m.joins.get(self.id, 0):
+                            excluded_at = r
+                        continue
                     member = self.m.members.get(j)
                     # take another node's word for a death only if we have not heard from it
                     # lately ourselves (one false suspicion must not evict a live member), or
@@ -269,6 +291,8 @@ class ControlPlane:
                     log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
                     new_member = True
                 reply = "members"
+        if excluded_at is not None and self.excluded is not None:
+            self.excluded(excluded_at, peer)
         with self.lock:
             renewed = self.m.take_renewed()
         for mid in renewed if self.reconnect is not None else ():
@@ -285,6 +309,15 @@ class ControlPlane:
     def tick(self, now: float) -> list[str]:
         """Heartbeats, seed retries and the failure detector; returns newly dead ids."""
         self.now = now
+        gap, self._last_tick = now - (self._last_tick if self._last_tick is not None else now), now
+        if gap > max(self.m.dead_after / 2, 4 * self.heartbeat):
+            # this process did not run (suspended, swapped out): everyone looks silent,
+            # but the silence is ours. Do not count it against the members.
+            log.warning("%s: this node stalled for %.1f s; not counting that as the members' silence",
+                        self.id, gap)
+            with self.lock:
+                for m in self.m.members.values():
+                    m.last_seen = min(now, m.last_seen + gap)
         for seed, state in list(self.seeds.items()):
             if now >= state[0]:
                 if state[1] > self.heartbeat:

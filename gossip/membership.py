@@ -212,6 +212,18 @@ class Membership:
         log.warning("member %s removed: %s", mid, reason)
         return True
 
+    def new_life(self, incarnation: int) -> None:
+        """This node starts a new life under ``incarnation``, as a restarted process
+        would: it is no longer one of the members the cluster started with, and
+        joins again at a round the running members announce."""
+        self.incarnation = incarnation
+        me = self.members[self.self_id]
+        me.incarnation, me.status = incarnation, "waiting"
+        self.base.discard(self.self_id)
+        self.joins.pop(self.self_id, None)
+        self.leaves.pop(self.self_id, None)
+        self.version += 1
+
     def take_renewed(self) -> list[str]:
         """The ids that (re)appeared since the last call."""
         out, self.renewed = sorted(self.renewed), set()

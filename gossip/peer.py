@@ -244,6 +244,9 @@ class Peer:
         self.stop = threading.Event()
         self.interrupted = False
         self.joined = False
+        self.rejoins = 0  # new lives started after the cluster declared this node dead while it was alive
+        self._excluded: int | None = None  # the leave round the cluster announced for this (live) node
+        self._rejoin_via: str | None = None  # the member that announced it (asked first to take us back)
         self.state_from: str | None = None
         self.resumed_from: str | None = None
         self.rank: int | None = None
@@ -263,7 +266,7 @@ class Peer:
         self.control = ControlPlane(self.id, self.incarnation, self.fingerprint, config.dc, self.membership,
                                     self.lock, self._send_message, self.inbound.put, self._progress,
                                     heartbeat=config.heartbeat, seeds=tuple(parse_address(p) for p in config.peers),
-                                    reconnect=self._reconnect)
+                                    reconnect=self._reconnect, excluded=self._on_excluded, clock=self.clock)
         listen = "tcp://" + parse_address(config.listen, "--listen")
         links = emulated_links(config.emulate)
         self.shaper = None if links is None else SimNetwork(links, self._link_class, seed=config.seed)
@@ -284,6 +287,14 @@ class Peer:
     def _reconnect(self, peer: str) -> None:
         if peer != self.id:
             self.transport.forget(peer)
+
+    def _on_excluded(self, rnd: int, by: str) -> None:
+        # I/O thread: the training thread sees the flag after its current step
+        if self._excluded is None and not self.stop.is_set() and self.status == "training":
+            log.warning("%s: %s announces that this node leaves at round %d: the cluster declared it dead "
+                        "while it was alive (silent for more than --dead-after %g s, e.g. a paused process); "
+                        "joining again as a new life", self.id, by, rnd, self.cfg.dead_after)
+            self._excluded, self._rejoin_via = rnd, by
 
     def _tick(self, now: float) -> None:
         dead = self.control.tick(now)
@@ -309,6 +320,9 @@ class Peer:
         try:
             if self.start():
                 self.train()
+                while self._excluded is not None and not self.stop.is_set():
+                    self._rejoin()
+                    self.train()
                 self.finish()
             return self.summary()
         finally:
@@ -412,7 +426,7 @@ class Peer:
         if mode == "join":
             self.joined = True
             self._pull_state(start_round)
-        if cfg.resume:
+        if cfg.resume and not self.rejoins:  # a new life takes the cluster's state, not its own past
             self._resume()
         self.status = "training"
         if mode == "fresh":
@@ -425,6 +439,20 @@ class Peer:
         log.info("%s: training as %d of %d (%s start, round %d, step %d)", self.id, rank, world, mode,
                  self.node.round, self.node.step)
 
+    def _rejoin(self) -> None:
+        """Start a new life and join the running cluster again, as a restarted
+        process would: a new incarnation, a join round the members announce, and
+        a neighbour's state (this node's own drifted while it was out)."""
+        self._excluded = None
+        self.rejoins += 1
+        with self.lock:
+            self.incarnation = self.control.incarnation = max(time.time_ns() // 1000, self.incarnation + 1)
+            self.membership.new_life(self.incarnation)
+            self.status = "waiting"
+            self.node = None
+            self._state_replies.clear()
+        self._start("join")
+
     def _await_join_round(self) -> int:
         """The round the cluster scheduled for us (it answers our hello with it)."""
         deadline = self.clock() + max(self.cfg.join_timeout, 5 * self.cfg.heartbeat)
@@ -433,7 +461,10 @@ class Peer:
                 return self.membership.joins[self.id]
             self.lock.release()
             try:
-                self.control.hello_all(self.membership.others()[:3])
+                others = self.membership.others()
+                if self._rejoin_via is not None:  # the member that dropped us knows the running cluster
+                    others = [self._rejoin_via, *(o for o in others if o != self._rejoin_via)]
+                self.control.hello_all(others[:3])
                 self._service(self.cfg.heartbeat)
             finally:
                 self.lock.acquire()
@@ -550,13 +581,13 @@ class Peer:
             if self.stop.is_set():
                 log.warning("%s: stopping at step %d on request", self.id, node.step)
                 return False
-            return True
+            return self._excluded is None
 
         first_step, t_start = node.step, self.clock()
         self._drive(node.program(), after_step)
-        self.train_seconds = self.clock() - t_start
-        self.trained_steps = node.step - first_step
-        if self.cfg.checkpoint_dir:
+        self.train_seconds += self.clock() - t_start
+        self.trained_steps += node.step - first_step
+        if self.cfg.checkpoint_dir and self._excluded is None:  # not the state of a life the cluster dropped
             save_checkpoint(node.state_dict(), self.cfg.checkpoint_dir, node.step)
 
     def step(self) -> None:
@@ -565,10 +596,12 @@ class Peer:
         Counts a local step; every ``period`` steps it exchanges with the
         neighbours and mixes (blocking for a synchronous round, as D-PSGD does).
         """
-        node = self.node
-        if node is None:
+        if self.node is None:
             raise RuntimeError("call start() before step()")
         self._service(0.0)
+        if self._excluded is not None and not self.stop.is_set():
+            self._rejoin()  # blocks until the cluster takes us back, with a neighbour's state
+        node = self.node
         node.step += 1
         due = [ch for ch in node.channels if node.step % ch.period == 0]
         if due:
@@ -624,7 +657,7 @@ class Peer:
             if remaining <= 0:
                 log.info("%s: round %d timed out waiting for neighbours", self.id, node.round)
                 return
-            if self.stop.is_set():
+            if self.stop.is_set() or self._excluded is not None:
                 return
             with self.lock:
                 alive = self.membership.members
@@ -763,7 +796,7 @@ class Peer:
                    # ROUTER connection events; a message above max_message_bytes is dropped by
                    # ZeroMQ, which closes the sender's connection: it shows up as "disconnected"
                    connections=dict(sorted(self.transport.events.items())),
-                   max_message_bytes=self.transport.max_message_size, joined=self.joined,
+                   max_message_bytes=self.transport.max_message_size, joined=self.joined, rejoins=self.rejoins,
                    state_from=self.state_from, resumed_from=self.resumed_from, interrupted=self.interrupted,
                    device=str(self.device), wall_time_s=self.clock() - self.t0, train_time_s=self.train_seconds,
                    max_step_gap_s=self.max_step_gap, recoveries=node.recoveries if node is not None else 0,

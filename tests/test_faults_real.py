@@ -81,6 +81,33 @@ def test_a_restarted_node_takes_the_newer_state_and_catches_up(tmp_path):
     assert s["neighbor_distance"] <= 2 * steady + 1e-3, (s["neighbor_distance"], steady)
 
 
+@pytest.mark.slow
+def test_a_paused_node_declared_dead_joins_again_by_itself(tmp_path):
+    """SIGSTOP (a suspended job, a swapped-out VM) past --dead-after: the others drop
+    the node; when it runs again it learns so, starts a new life and joins again."""
+    steps, n = 2500, 4
+    ports = [free_port() for _ in range(n)]
+    with Cluster(tmp_path) as c:
+        nodes = [c.start(f"n{i}", ring(ports, i, steps, "--join-margin", "10"), port=ports[i]) for i in range(n)]
+        nodes[1].wait_for_log("training as", 120)
+        time.sleep(2.0)
+        nodes[1].proc.send_signal(signal.SIGSTOP)
+        nodes[0].wait_for_log("removed: silent for more than 2 s", 30)
+        time.sleep(1.0)  # the others train on without it
+        nodes[1].proc.send_signal(signal.SIGCONT)
+        codes = [x.wait(300) for x in nodes]
+        assert codes == [0, 0, 0, 0], nodes[1].log()[-3000:]
+        s = nodes[1].summary()
+        others = [x.summary() for x in (nodes[0], nodes[2], nodes[3])]
+        log = nodes[1].log()
+    assert "the cluster declared it dead while it was alive" in log, log[-3000:]
+    assert s["rejoins"] == 1 and s["joined"] and s["state_from"] is not None, s
+    assert s["steps"] == steps and s["members"] == 4, s
+    assert all(o["members"] == 4 for o in others), others  # it is back in everyone's topology
+    steady = max(o["neighbor_distance"] for o in others)
+    assert s["neighbor_distance"] <= 2 * steady + 1e-3, (s["neighbor_distance"], steady)
+
+
 WRITER = textwrap.dedent("""
     import sys, torch
     from gossip.checkpoint import save_checkpoint

@@ -414,7 +414,7 @@ def reap(proc: subprocess.Popen, nodes_file: Path) -> None:
 
 
 def test_local_cluster_short_form(tmp_path):
-    proc = launch_cluster(tmp_path, "--short")
+    proc = launch_cluster(tmp_path, "--short", "--", "-v")  # -v: every node logs, so its lines can be checked
     try:
         out, err = proc.communicate(timeout=300)
     finally:

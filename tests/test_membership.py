@@ -1,5 +1,5 @@
 """The membership protocol of one peer, without sockets: starting together, restarts,
-and fresh connections towards members that come back."""
+fresh connections towards members that come back, and a live member declared dead."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ class Plane:
     def __init__(self, me: str, *, seeds: tuple[str, ...] = (), status: str = "waiting", rnd: int = 0) -> None:
         self.sent: list[tuple[str, Message]] = []
         self.reconnected: list[str] = []
+        self.excluded: list[tuple[int, str]] = []
         self.status, self.round = status, rnd
         self.m = Membership(me, 1, FP, dead_after=2.0)
         self.m.heard(me, 1, 0.0)
         self.cp = ControlPlane(me, 1, FP, "", self.m, threading.RLock(), lambda d, m: self.sent.append((d, m)),
                                lambda m: None, lambda: (self.status, self.round, 0), heartbeat=0.5, seeds=seeds,
-                               reconnect=self.reconnected.append)
+                               reconnect=self.reconnected.append,
+                               excluded=lambda r, by: self.excluded.append((r, by)))
 
     def receive(self, kind: str, sender: str, inc: int = 1, *, status: str = "waiting", rnd: int = 0,
                 **extra) -> None:
@@ -79,3 +81,57 @@ def test_a_restarted_node_learns_it_is_no_longer_a_starter():
                lids=["10.0.0.2:1"], lrounds=[60])
     assert me.m.base == {"10.0.0.1:1"}
     assert me.m.joins == {"10.0.0.2:1": 70}
+
+
+def test_a_live_node_learns_the_cluster_dropped_it_and_joins_as_a_new_life():
+    """A paused process is declared dead; back, it hears its own leave and starts afresh."""
+    a, b = "10.0.0.1:1", "10.0.0.2:1"
+    me = Plane(b, status="training", rnd=40)
+    me.m.heard(a, 1, 0.0, status="training", round=60)
+    me.m.start([a, b])
+    # not from a member, or from one still waiting: not the running cluster's word
+    me.receive("members", "10.0.0.9:1", status="training", rnd=60, lids=[b], lrounds=[45])
+    me.receive("members", a, status="waiting", rnd=60, lids=[b], lrounds=[45])
+    assert me.excluded == []
+    me.receive("members", a, status="training", rnd=60, mids=[a], mincs=[1], base=[a, b], lids=[b], lrounds=[45])
+    assert me.excluded == [(45, a)]
+    assert b in me.m.base and b not in me.m.leaves  # our own table never drops ourselves
+
+    # the new life: like a restarted process, it is a joiner the members schedule
+    me.status = "waiting"
+    me.cp.incarnation = 2
+    me.m.new_life(2)
+    assert me.m.base == {a} and me.m.members[b].incarnation == 2
+    other = Plane(a, status="training", rnd=60)
+    other.m.heard(b, 1, 0.0, status="training", round=40)
+    other.m.start([a, b])
+    other.m.remove(b, "silent")  # what its failure detector did during the pause
+    other.receive("hello", b, inc=2, base=[a])
+    join = other.m.joins[b]
+    assert join >= 60 + other.m.join_margin and other.m.at_round(join) == [a, b]
+    announced = [m for d, m in other.sent if m.kind == "members"][-1]
+    me.receive("members", a, status="training", rnd=60, mids=[a, b], mincs=[1, 2], base=sorted(other.m.base),
+               jids=announced.extra["jids"], jrounds=announced.extra["jrounds"], lids=[b], lrounds=[45])
+    assert me.m.joins[b] == join and me.m.at_round(join) == [a, b]
+
+    # trained again from its join round: a leave older than that is its previous life's
+    me.status = "training"
+    me.receive("members", a, status="training", rnd=join + 1, lids=[b], lrounds=[45])
+    assert me.excluded == [(45, a)]
+
+
+def test_a_node_that_stalled_does_not_count_its_own_stall_as_the_members_silence():
+    a, b = "10.0.0.1:1", "10.0.0.2:1"
+    me = Plane(a, status="training")
+    me.m.heard(b, 1, 0.0, status="training")
+    assert me.cp.tick(0.0) == [] and me.cp.tick(0.5) == []
+    assert me.cp.tick(30.0) == []  # 29.5 s without a tick: we were stopped, not b
+    assert b in me.m.members
+    # from then on b's silence counts as usual: dead once it is longer than dead_after (2 s)
+    assert [me.cp.tick(t) for t in (30.5, 31.0, 31.5, 32.0)] == [[], [], [], [b]]
+    # a normal gap is silence as usual
+    c = Plane(a, status="training")
+    c.m.heard(b, 1, 0.0, status="training")
+    for t in (0.0, 0.5, 1.0, 1.5, 2.0):
+        assert c.cp.tick(t) == []
+    assert c.cp.tick(2.5) == [b]

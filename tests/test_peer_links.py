@@ -116,3 +116,37 @@ def test_async_across_emulated_datacenters_nobody_waits_on_the_slow_link(tmp_pat
     rate = sorted(s["steps_per_s"] for s in shaped)[1:3]  # the middle two: this 2-core box is noisy
     base = sorted(s["steps_per_s"] for s in free)[1:3]
     assert sum(rate) >= 0.8 * sum(base), (rate, base)
+
+
+def test_control_messages_wait_for_a_fresh_connection_state_messages_do_not():
+    a, b, got = _pair()
+    try:
+        # nothing sent to b yet: the connection opens with the first send
+        a.send(b.node_id, [b"state-0"])  # dropped: IMMEDIATE, not connected yet
+        for i in range(3):
+            a.send(b.node_id, [b"ctl-%d" % i], droppable=False)
+        seen = []
+        while True:
+            try:
+                seen.append(got.get(timeout=1)[1])
+            except queue.Empty:
+                break
+        assert seen == [b"ctl-0", b"ctl-1", b"ctl-2"]  # all of them, once each, in order
+        assert a.dropped[b.node_id] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_held_control_messages_expire_towards_an_address_nobody_listens_on():
+    dead = f"127.0.0.1:{free_port()}"
+    a = ZmqTransport(f"127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", on_frames=lambda i, f: None,
+                     hold_control=0.3)
+    a.start()
+    try:
+        for i in range(3):
+            a.send(dead, [b"hello"], droppable=False)
+        time.sleep(1.0)
+        assert a.dropped[dead] == 3 and not a._held
+    finally:
+        a.close()

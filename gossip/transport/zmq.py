@@ -58,6 +58,9 @@ def _nbytes(frame: Any) -> int:
     return memoryview(frame).nbytes
 
 
+MAX_HELD = 64  # control messages held per peer while its connection comes up
+HOLD_POLL = 0.01  # seconds between tries to send them
+
 # ROUTER connection events worth counting: how connections end, and handshakes that fail
 _EVENT_NAMES = {zmq.EVENT_DISCONNECTED: "disconnected", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake-failed-auth",
                 zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake-failed-protocol",
@@ -82,6 +85,11 @@ class ZmqTransport:
         ``check(routing_id, frame) -> reason | None`` and ``close()``, see :mod:`gossip.security`
     io_threads : libzmq I/O threads; one thread tops out well below loopback or
         10 GbE speed on large messages, two roughly double it
+    hold_control : seconds a control message (``droppable=False``) waits for its
+        connection to come up before it is dropped. A connection opened just now
+        (a new member, one that came back) takes a moment; ZeroMQ's IMMEDIATE
+        option would otherwise drop the first messages, such as the member list
+        that tells a node it was dropped. State messages are never held.
     shaper : optional link emulator with ``transmit(src, dst, nbytes, now, droppable=)``
         (a :class:`~gossip.transport.sim.SimNetwork`): each message leaves when it
         says (delay, bandwidth cap) or is dropped (loss). Off by default; for tests
@@ -91,7 +99,8 @@ class ZmqTransport:
     def __init__(self, node_id: str, listen: str, *, on_frames: Callable[[bytes, list], None],
                  on_tick: Callable[[float], None] | None = None, tick: float = 0.1,
                  max_message_size: int = -1, hwm: int = 16, curve: Any = None, io_threads: int = 2,
-                 shaper: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 shaper: Any = None, clock: Callable[[], float] = time.monotonic,
+                 hold_control: float = 2.0) -> None:
         self.node_id = node_id
         self.listen = listen
         self.on_frames = on_frames
@@ -103,7 +112,9 @@ class ZmqTransport:
         self.clock = clock
         self.ctx = zmq.Context(io_threads=io_threads)
         self.shaper = shaper
-        self._delayed: list[tuple[float, int, str, Any]] = []  # (release time, seq, dst, frames)
+        self._delayed: list[tuple[float, int, str, Any, bool]] = []  # (release, seq, dst, frames, droppable)
+        self.hold_control = hold_control
+        self._held: dict[str, list[tuple[float, list]]] = {}  # dst -> control messages waiting for a connection
         self._delay_seq = 0
         self.emulated_losses = 0
         self._out: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -222,6 +233,7 @@ class ZmqTransport:
                 s = self._dealers.pop(dst, None)
                 if s is not None:
                     s.close(0)
+                self.dropped[dst] += len(self._held.pop(dst, ()))
                 continue
             droppable = not isinstance(frames, _Control)
             if not droppable:
@@ -234,22 +246,61 @@ class ZmqTransport:
                     continue
                 if release > now:
                     self._delay_seq += 1
-                    heapq.heappush(self._delayed, (release, self._delay_seq, dst, frames))
+                    heapq.heappush(self._delayed, (release, self._delay_seq, dst, frames, droppable))
                     continue
-            self._send_now(dst, frames)
+            self._send_now(dst, frames, droppable, now)
         while self._delayed and self._delayed[0][0] <= now:
-            _, _, dst, frames = heapq.heappop(self._delayed)
-            self._send_now(dst, frames)
+            _, _, dst, frames, droppable = heapq.heappop(self._delayed)
+            self._send_now(dst, frames, droppable, now)
+        self._retry_control(now)
 
-    def _send_now(self, dst: str, frames: list) -> None:
+    def _send_now(self, dst: str, frames: list, droppable: bool = True, now: float = 0.0) -> None:
+        held = self._held.get(dst)
+        if held is not None and not droppable:
+            if len(held) < MAX_HELD:
+                held.append((now + self.hold_control, frames))  # behind the ones already waiting: in order
+            else:
+                self.dropped[dst] += 1
+            return
         try:
             self._dealer(dst).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             self.bytes_sent[dst] += sum(_nbytes(f) for f in frames)
         except zmq.Again:
-            self.dropped[dst] += 1  # not connected yet, or the peer is not keeping up
+            # not connected yet (a fresh connection takes a moment), or the peer is not
+            # keeping up: state is dropped (the next round's replaces it), control held a while
+            if droppable or self.hold_control <= 0:
+                self.dropped[dst] += 1
+            else:
+                self._held[dst] = [(now + self.hold_control, frames)]
         except zmq.ZMQError as e:
             self.dropped[dst] += 1
             log.warning("%s: send to %s failed: %s", self.node_id, dst, e)
+
+    def _retry_control(self, now: float) -> None:
+        """Send held control messages once their connection is up; drop expired ones."""
+        for dst in list(self._held):
+            held = self._held[dst]
+            s = self._dealers.get(dst)
+            while held and s is not None:
+                expires, frames = held[0]
+                if expires < now:
+                    self.dropped[dst] += 1
+                    held.pop(0)
+                    continue
+                try:
+                    s.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    self.dropped[dst] += 1
+                else:
+                    self.bytes_sent[dst] += sum(_nbytes(f) for f in frames)
+                held.pop(0)
+            if s is None:
+                self.dropped[dst] += len(held)
+                held.clear()
+            if not held:
+                del self._held[dst]
 
     def _count(self, counter: Counter[str], key: str, n: int) -> None:
         # a key per routing id would let a sender cycling ids grow the counter without bound
@@ -277,6 +328,8 @@ class ZmqTransport:
         try:
             while self._running.is_set():
                 wake_at = min(next_tick, self._delayed[0][0]) if self._delayed else next_tick
+                if self._held:
+                    wake_at = min(wake_at, self.clock() + HOLD_POLL)  # held control: the connection may be up
                 timeout = max(0.0, wake_at - self.clock())
                 events = dict(poller.poll(int(timeout * 1000) + 1))
                 if self._delayed and self._delayed[0][0] <= self.clock():
@@ -309,6 +362,8 @@ class ZmqTransport:
                         except Exception:  # a handler bug must not kill the I/O thread
                             log.exception("%s: error handling a message from %r", self.node_id, ident[:64])
                 now = self.clock()
+                if self._held:
+                    self._retry_control(now)
                 if now >= next_tick:
                     next_tick = now + self.tick
                     if self.on_tick is not None:
