@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -30,18 +31,30 @@ POOL_MIN = 1 << 20
 
 
 class BufferPool:
-    """Byte arrays by size, handed out again once nothing views them."""
+    """Byte arrays by size, handed out again once nothing views them.
 
-    def __init__(self, keep: int = 16) -> None:
+    Only the ``sizes`` most recently asked for are kept: a node uses a few sizes
+    (its model, a codec's buffers), while a peer sending messages of ever new
+    sizes must not make it keep a block of each.
+    """
+
+    def __init__(self, keep: int = 16, sizes: int = 8) -> None:
         self.keep = keep
-        self.free: dict[int, list[np.ndarray]] = {}
+        self.sizes = sizes
+        self.free: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self.lock = threading.Lock()
         self.reused = 0  # blocks handed out again (a figure for tests and benchmarks)
 
     def get(self, nbytes: int) -> np.ndarray:
         """A uint8 array of ``nbytes`` that nothing else references (contents undefined)."""
         with self.lock:
-            arrays = self.free.setdefault(nbytes, [])
+            arrays = self.free.get(nbytes)
+            if arrays is None:
+                arrays = self.free[nbytes] = []
+                while len(self.free) > self.sizes:
+                    self.free.popitem(last=False)  # the least recently used size: its blocks go when unused
+            else:
+                self.free.move_to_end(nbytes)
             for a in arrays:
                 if sys.getrefcount(a) == 3:  # the list, the loop variable, getrefcount's argument
                     self.reused += 1

@@ -451,15 +451,23 @@ class Node:
     def neighbor_distance(self) -> float:
         """Mean squared distance to the parameters last received from each current
         neighbour (what a real node can measure of consensus); nan if none yet."""
+        # current in-neighbours: those of the last topology period (a time-varying graph
+        # changes them every round); a member that was a neighbour before the last
+        # membership change holds parameters from back then and does not count
+        current: set[int] = set()
+        for ch in self.channels:
+            period = min(64, max(1, int(getattr(ch.topology, "period", 1) or 1)))
+            for r in range(max(0, self.round - period + 1), self.round + 1):
+                current.update(j for j in ch.topology.in_weights(self.index, r) if j != self.index)
         models = None
         if all(hasattr(ch.rule, "neighbor_models") for ch in self.channels):
             models = {}
             for ch in self.channels:
-                models.update(ch.rule.neighbor_models())
+                models.update((j, t) for j, t in ch.rule.neighbor_models().items() if j in current)
         if models is None:
             models = {}
             for sender, msg in self.last_from.items():
-                if sender in self.index_of and msg.data is not None:
+                if self.index_of.get(sender) in current and msg.data is not None:
                     models[sender] = decode_payload(msg, self.state.flat)
         dists = [float((self.state.flat.double() - t.double()).pow(2).sum()) for t in models.values()]
         return sum(dists) / len(dists) if dists else math.nan

@@ -102,3 +102,15 @@ def test_encode_state_payload_is_unaffected_by_training(spec):
         assert enc.source is not None and enc.source.data_ptr() != x.data_ptr()  # a snapshot was taken
     else:
         assert enc.source is None  # the encoding is the copy: no snapshot beside it
+
+
+def test_only_recent_sizes_are_kept():
+    """A peer sending ever new sizes cannot make the pool keep a block of each."""
+    p = BufferPool(keep=4, sizes=3)
+    model = p.get(1000)
+    del model
+    for n in range(2000, 2100):
+        p.get(n)  # hostile sizes, each used once
+        p.get(1000)  # the model's size stays in use
+    assert len(p.free) == 3 and 1000 in p.free
+    assert sum(len(v) for v in p.free.values()) <= 3

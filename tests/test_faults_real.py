@@ -104,8 +104,10 @@ def test_a_paused_node_declared_dead_joins_again_by_itself(tmp_path):
     assert s["rejoins"] == 1 and s["joined"] and s["state_from"] is not None, s
     assert s["steps"] == steps and s["members"] == 4, s
     assert all(o["members"] == 4 for o in others), others  # it is back in everyone's topology
-    steady = max(o["neighbor_distance"] for o in others)
-    assert s["neighbor_distance"] <= 2 * steady + 1e-3, (s["neighbor_distance"], steady)
+    # everyone, the node that came back included, ends close to its current neighbours
+    # (the distance counts only them, not members it mixed with before the change)
+    distances = [x["neighbor_distance"] for x in (s, *others)]
+    assert max(distances) < 0.01, distances
 
 
 WRITER = textwrap.dedent("""
