@@ -136,7 +136,7 @@ def _gossip(rank: int, ports: list[int], numel: int, rounds: int, barrier, out) 
         snap = pooled_copy(x)  # what the node sends while it keeps training
         frames = wire.encode(Message("state", me, r, r, r, codec.encode(snap), None, {}, "fp"))
         t.send(peer, frames)
-        msg = receive(r, lambda: t.send(peer, frames))
+        msg = receive(r, lambda f=frames: t.send(peer, f))
         other = decode_payload(msg, x)
         assert all_finite(other)
         x.lerp_(other, 0.5)  # the mixing step
