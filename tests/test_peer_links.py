@@ -74,6 +74,16 @@ def test_emulated_latency_and_bandwidth_delay_every_message():
         b.close()
 
 
+def _arrivals(got, quiet=1.0):
+    """Payloads received until none arrives for ``quiet`` seconds, in arrival order."""
+    seen = []
+    while True:
+        try:
+            seen.append(got.get(timeout=quiet)[1])
+        except queue.Empty:
+            return seen
+
+
 def test_emulated_drop_loses_exactly_the_nth_state_message():
     net = SimNetwork({"intra": LinkModel(latency=0.0, bandwidth=1e12, drop=2)}, lambda u, v: "intra")
     a, b, got = _pair(net)
@@ -81,12 +91,7 @@ def test_emulated_drop_loses_exactly_the_nth_state_message():
         _deliver(a, b.node_id, got, b"hello", droppable=False)  # control: not counted
         for i in range(4):
             a.send(b.node_id, [b"m%d" % i])
-        seen = []
-        while True:
-            try:
-                seen.append(got.get(timeout=1)[1])
-            except queue.Empty:
-                break
+        seen = _arrivals(got)
         assert seen == [b"m0", b"m2", b"m3"] and a.emulated_losses == 1
     finally:
         a.close()
@@ -125,12 +130,7 @@ def test_control_messages_wait_for_a_fresh_connection_state_messages_do_not():
         a.send(b.node_id, [b"state-0"])  # dropped: IMMEDIATE, not connected yet
         for i in range(3):
             a.send(b.node_id, [b"ctl-%d" % i], droppable=False)
-        seen = []
-        while True:
-            try:
-                seen.append(got.get(timeout=1)[1])
-            except queue.Empty:
-                break
+        seen = _arrivals(got)
         assert seen == [b"ctl-0", b"ctl-1", b"ctl-2"]  # all of them, once each, in order
         assert a.dropped[b.node_id] == 1
     finally:
