@@ -82,11 +82,12 @@ def _gossip(rank: int, ports: list[int], numel: int, rounds: int, barrier, out) 
     import torch
 
     from gossip import wire
-    from gossip.buffers import pooled_copy
-    from gossip.compression import get_codec
+    from gossip.buffers import SendLease
     from gossip.message import Message
-    from gossip.mixing.base import all_finite, decode_payload
+    from gossip.mixing.base import Inbox, all_finite, decode_payload
+    from gossip.mixing.gossip import GossipRule
     from gossip.transport.zmq import ZmqTransport
+    from topologies import Topology, complete
 
     torch.set_num_threads(1)
     me, peer = f"127.0.0.1:{ports[rank]}", f"127.0.0.1:{ports[1 - rank]}"
@@ -98,7 +99,7 @@ def _gossip(rank: int, ports: list[int], numel: int, rounds: int, barrier, out) 
     t = ZmqTransport(me, f"tcp://{me}", on_frames=on_frames, max_message_size=2 * numel * 4 + 2**20, hwm=4)
     t.start()
     x = torch.full((numel,), float(rank))
-    codec = get_codec("none")
+    rule, topology, mixing_inbox = GossipRule("none"), Topology(complete(2)), Inbox()
 
     def receive(rnd: int, resend) -> Message:
         while True:
@@ -129,21 +130,31 @@ def _gossip(rank: int, ports: list[int], numel: int, rounds: int, barrier, out) 
             break
     hello()  # the peer heard us, so this one arrives: it may still be waiting for it
     barrier.wait()
-    times = []
+    times, moved = [], 0
     for r in range(1, rounds + WARMUP + 1):
         barrier.wait()
         t0 = time.perf_counter()
-        snap = pooled_copy(x)  # what the node sends while it keeps training
-        frames = wire.encode(Message("state", me, r, r, r, codec.encode(snap), None, {}, "fp"))
+        # what Node.outgoing does with live sends: the rule encodes x itself
+        lease = SendLease(x)
+        rule.sends_live = True
+        [(_, packet)] = rule.outgoing(lease.tensor(), topology, rank, r)
+        frames = wire.encode(Message("state", me, r, r, r, packet.data, None, {}, "fp"))
+        del packet
         t.send(peer, frames)
         msg = receive(r, lambda f=frames: t.send(peer, f))
-        other = decode_payload(msg, x)
-        assert all_finite(other)
-        x.lerp_(other, 0.5)  # the mixing step
-        del msg, other, snap, frames  # as a node does after mixing: the buffers can be reused
+        del frames
+        msg.tensor = decode_payload(msg, x, pieces=True)  # Node._check: decoded where it lies, validated
+        assert all_finite(msg.tensor)
+        mixing_inbox.add(1 - rank, msg)
+        del msg
+        if not lease.wait(0.2):  # Node.settle: still sending, so the parameters move to fresh memory
+            x = x.clone()
+            moved += 1
+        rule.mix(x, mixing_inbox, topology, rank, r, r)
         times.append(time.perf_counter() - t0)
         barrier.wait()
-    out.put((rank, times[WARMUP:]))
+    assert float(x[0]) == 0.5 and float(x[-1]) == 0.5  # both sides mixed the other's values
+    out.put((rank, times[WARMUP:], moved))
     t.close()
 
 
@@ -166,8 +177,9 @@ def _gloo(rank: int, ports: list[int], numel: int, rounds: int, barrier, out) ->
     dist.destroy_process_group()
 
 
-def run_pair(fn, numel: int, rounds: int) -> float:
-    """Median round time (the slower rank per round) of ``fn`` over two processes."""
+def run_pair(fn, numel: int, rounds: int) -> tuple[float, int]:
+    """Median round time (the slower rank per round) of ``fn`` over two processes,
+    and the sum of any counts the processes reported after their times."""
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(2), ctx.Queue()
     ports = [free_port(), free_port()]
@@ -175,20 +187,25 @@ def run_pair(fn, numel: int, rounds: int) -> float:
     try:
         for p in procs:
             p.start()
-        results = dict(out.get(timeout=300) for _ in procs)
+        reports = [out.get(timeout=300) for _ in procs]
+        results = {rep[0]: rep[1] for rep in reports}
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
                 p.join()
-    return statistics.median(max(a, b) for a, b in zip(results[0], results[1]))
+    counts = sum(sum(rep[2:]) for rep in reports)
+    return statistics.median(max(a, b) for a, b in zip(results[0], results[1])), counts
 
 
-def codec_overhead(numel: int, repeat: int) -> tuple[float, float, float]:
-    """(encode + decode, memcpy, clone) seconds for one 64 MiB state message.
+def codec_overhead(numel: int, repeat: int) -> tuple[float, float, float, float]:
+    """(encode + decode, encode + decode into one tensor, memcpy, clone) seconds
+    for one 64 MiB state message.
 
-    The memcpy is into a buffer already in use, the baseline of the target; a
+    The first decodes as a node does (the chunk frames viewed where they lie,
+    :class:`~gossip.buffers.Pieces`); the second also joins them into one
+    tensor, as a consumer that needs one contiguous tensor gets it. The memcpy is into a buffer already in use, the baseline of the target; a
     clone (a copy into fresh memory) also pays for mapping and page-faulting it.
     One torch thread, as in the exchange processes (the join copies with numpy)."""
     import torch
@@ -202,7 +219,7 @@ def codec_overhead(numel: int, repeat: int) -> tuple[float, float, float]:
     x = torch.randn(numel)
     dst = torch.empty_like(x).copy_(x)
     codec = get_codec("none")
-    enc_dec, copy, clone = [], [], []
+    enc_dec, enc_dec_joined, copy, clone = [], [], [], []
     for _ in range(repeat):
         t0 = time.perf_counter()
         dst.copy_(x)
@@ -210,13 +227,17 @@ def codec_overhead(numel: int, repeat: int) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         x.clone()
         clone.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        frames = wire.encode(Message("state", "a:1", 0, 0, 0, codec.encode(x), None, {}, "fp"))
-        msg = wire.decode([memoryview(f) for f in frames])
-        msg.data = type(msg.data)(msg.data.codec, msg.data.numel, msg.data.dtype, msg.data.meta, msg.data.buffers)
-        decode_payload(msg, x)
-        enc_dec.append(time.perf_counter() - t0)
-    return statistics.median(enc_dec), statistics.median(copy), statistics.median(clone)
+        for pieces, times in ((True, enc_dec), (False, enc_dec_joined)):
+            t0 = time.perf_counter()
+            frames = wire.encode(Message("state", "a:1", 0, 0, 0, codec.encode(x), None, {}, "fp"))
+            msg = wire.decode([memoryview(f) for f in frames])
+            # as off the wire: no in-process source tensor to short-cut the decode
+            msg.data = type(msg.data)(msg.data.codec, msg.data.numel, msg.data.dtype, msg.data.meta, msg.data.buffers)
+            decoded = decode_payload(msg, x, pieces=pieces)
+            times.append(time.perf_counter() - t0)
+            del decoded, msg, frames
+    return (statistics.median(enc_dec), statistics.median(enc_dec_joined), statistics.median(copy),
+            statistics.median(clone))
 
 
 def main() -> None:
@@ -230,25 +251,33 @@ def main() -> None:
     from gossip.wire import CHUNK
 
     raw, raw_chunked, goss, gloo = [], [], [], []
+    moved = 0  # exchanges whose send was still in flight when the round mixed
     for _ in range(args.repeat):
-        raw.append(run_pair(_raw, numel, args.rounds))
-        raw_chunked.append(run_pair(functools.partial(_raw, chunk=CHUNK), numel, args.rounds))
-        goss.append(run_pair(_gossip, numel, args.rounds))
-        gloo.append(run_pair(_gloo, numel, args.rounds))
+        raw.append(run_pair(_raw, numel, args.rounds)[0])
+        raw_chunked.append(run_pair(functools.partial(_raw, chunk=CHUNK), numel, args.rounds)[0])
+        g, n = run_pair(_gossip, numel, args.rounds)
+        goss.append(g)
+        moved += n
+        gloo.append(run_pair(_gloo, numel, args.rounds)[0])
     r1, rc = statistics.median(raw), statistics.median(raw_chunked)
     r, g, a = min(r1, rc), statistics.median(goss), statistics.median(gloo)
-    ed, mc, cl = codec_overhead(numel, 15)
+    ed, edj, mc, cl = codec_overhead(numel, 15)
     print(f"payload {payload / 2**20:.0f} MiB float32, loopback, 2 processes, median of {args.repeat} x {args.rounds}")
     print(f"{'path':<34} {'round ms':>9} {'GB/s per direction':>19}")
     print(f"{'raw pyzmq, one frame (both ways)':<34} {r1 * 1e3:>9.1f} {payload / r1 / 1e9:>19.2f}")
     print(f"{f'raw pyzmq, {CHUNK >> 20} MiB frames':<34} {rc * 1e3:>9.1f} {payload / rc / 1e9:>19.2f}")
-    print(f"{'gossip exchange (snapshot..mix)':<34} {g * 1e3:>9.1f} {payload / g / 1e9:>19.2f}")
+    print(f"{'gossip exchange (send..mix)':<34} {g * 1e3:>9.1f} {payload / g / 1e9:>19.2f}")
     print(f"{'gloo all_reduce':<34} {a * 1e3:>9.1f} {payload / a / 1e9:>19.2f}")
     print(f"encode + decode {ed * 1e3:.2f} ms vs one memcpy {mc * 1e3:.2f} ms ({ed / mc:.3f}x)"
           f" and one clone {cl * 1e3:.2f} ms ({ed / cl:.3f}x)")
+    print(f"encode + decode into one tensor {edj * 1e3:.2f} ms ({edj / mc:.3f}x memcpy)")
+    print(f"sends still in flight at mixing time (parameters moved): {moved} of"
+          f" {2 * args.repeat * (args.rounds + WARMUP)} exchanges")
     print(json.dumps({"exchange_over_raw_zmq": round(r / g, 3), "exchange_over_raw_zmq_one_frame": round(r1 / g, 3),
                       "exchange_over_gloo": round(g / a, 3), "encode_decode_over_memcpy": round(ed / mc, 3),
-                      "encode_decode_over_clone": round(ed / cl, 3), "raw_gbps": round(payload / r / 1e9, 3),
+                      "encode_decode_over_clone": round(ed / cl, 3),
+                      "encode_decode_joined_over_memcpy": round(edj / mc, 3), "sends_moved": moved,
+                      "raw_gbps": round(payload / r / 1e9, 3),
                       "exchange_gbps": round(payload / g / 1e9, 3), "gloo_ms": round(a * 1e3, 2),
                       "mib": args.mib}))
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
 import torch
 
-__all__ = ["BufferPool", "POOL_MIN", "pooled_copy", "pool"]
+__all__ = ["BufferPool", "Chunked", "POOL_MIN", "Pieces", "SendLease", "pooled_copy", "pool"]
 
 #: Smaller tensors are cloned as usual: malloc reuses small blocks by itself.
 POOL_MIN = 1 << 20
@@ -81,3 +82,118 @@ def pooled_copy(x: torch.Tensor) -> torch.Tensor:
         return x.clone(memory_format=torch.contiguous_format) if not x.requires_grad else x.detach().contiguous().clone()
     out = torch.from_numpy(pool.get(nbytes)).view(x.dtype).view(x.shape)
     return out.copy_(x.detach())
+
+
+class Chunked:
+    """One byte buffer that arrived as consecutive frames, kept as they are.
+
+    The wire cuts large buffers into 1 MiB frames; joining them again costs a
+    copy of the whole payload. A mixing step can instead read each frame where
+    it lies (:meth:`pieces`), so the join happens only when something needs one
+    contiguous buffer (:meth:`join`, cached).
+    """
+
+    __slots__ = ("frames", "nbytes", "_joined")
+
+    def __init__(self, frames: list, nbytes: int) -> None:
+        self.frames = frames
+        self.nbytes = nbytes
+        self._joined: memoryview | None = None
+
+    def join(self) -> memoryview:
+        """The bytes as one contiguous buffer (a pooled block, made once)."""
+        if self._joined is None:
+            out = pool.get(self.nbytes)
+            pos = 0
+            for f in self.frames:
+                view = memoryview(f).cast("B")
+                out[pos:pos + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+                pos += view.nbytes
+            self._joined = memoryview(out)
+        return self._joined
+
+    def pieces(self, dtype: torch.dtype) -> Pieces | None:
+        """The frames viewed as consecutive tensors of ``dtype``; None when a frame
+        boundary would split a value (a sender with an odd chunk size)."""
+        from gossip.compression.base import from_buffer  # noqa: PLC0415 (compression imports this module)
+
+        size = dtype.itemsize
+        views = [memoryview(f).cast("B") for f in self.frames]
+        if any(v.nbytes % size for v in views):
+            return None
+        return Pieces([from_buffer(v, dtype) for v in views])
+
+
+class Pieces:
+    """A 1-D tensor held as consecutive parts (the received frames), not joined.
+
+    Kernels that work element-wise (the finite check, ``lerp_``) run part by
+    part against the matching slice of the other operand: the same arithmetic
+    as on the joined tensor, without the copy. Read-only: the parts may view
+    ZeroMQ frames.
+    """
+
+    __slots__ = ("parts", "numel", "dtype")
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
+        self.numel = sum(p.numel() for p in parts)
+        self.dtype = parts[0].dtype if parts else torch.float32
+
+    def __iter__(self):
+        """``(offset, part)`` pairs, ``offset`` in elements."""
+        pos = 0
+        for p in self.parts:
+            yield pos, p
+            pos += p.numel()
+
+    def join(self) -> torch.Tensor:
+        """One contiguous tensor (a pooled block)."""
+        nbytes = self.numel * self.dtype.itemsize
+        if nbytes < POOL_MIN:
+            return torch.cat(self.parts) if self.parts else torch.empty(0, dtype=self.dtype)
+        out = torch.from_numpy(pool.get(nbytes)).view(self.dtype)
+        for off, p in self:
+            out[off:off + p.numel()].copy_(p)
+        return out
+
+
+class SendLease:
+    """Send a CPU tensor without copying it, and know when the sends are done.
+
+    :meth:`tensor` gives a tensor over the same memory whose every view (the
+    encoded buffers, the frames cut from them, ZeroMQ's references to those
+    frames) keeps one numpy exporter alive; :meth:`released` is true once none
+    is left, that is, once the transport has finished with every message built
+    from it. Until then the memory must not change.
+    """
+
+    def __init__(self, x: torch.Tensor) -> None:
+        if x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError("only a contiguous CPU tensor can be sent in place")
+        self._dtype = x.dtype
+        # numpy has no bfloat16: its bits go through an integer of the same width
+        self._array = (x.detach().view(torch.int16) if x.dtype == torch.bfloat16 else x.detach()).numpy()
+
+    def tensor(self) -> torch.Tensor:
+        """The tensor to encode and send (same memory as ``x``)."""
+        return torch.from_numpy(self._array).view(self._dtype)
+
+    def released(self) -> bool:
+        return sys.getrefcount(self._array) <= 2  # this object's reference and getrefcount's argument
+
+    def wait(self, timeout: float, clock=time.monotonic, sleep=time.sleep) -> bool:
+        """Wait up to ``timeout`` seconds for :meth:`released`; return it.
+
+        libzmq hands finished frames back through pyzmq's garbage-collection
+        thread, so a send that has completed is seen here a moment later."""
+        if self.released():
+            return True
+        deadline = clock() + timeout
+        pause = 1e-4
+        while clock() < deadline:
+            sleep(pause)
+            if self.released():
+                return True
+            pause = min(pause * 2, 5e-3)
+        return False

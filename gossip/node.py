@@ -13,6 +13,11 @@ world, and the driver answers with the current time:
 ``Wait(timeout)``
     "resume me when :meth:`Node.ready` turns true, or after ``timeout`` seconds
     of your clock". Used by synchronous rules to collect a round's messages.
+``Release(lease, timeout)``
+    "resume me when the transport has let go of the parameters I sent in place,
+    or after ``timeout`` seconds". Only with ``NodeConfig.live_sends``, which a
+    driver sets when its transport holds what it sends until sent (ZeroMQ's
+    zero-copy frames do; see :class:`gossip.buffers.SendLease`).
 
 Messages that arrive go through :meth:`Node.deliver` (validation, then the
 inbox); the mixing rule consumes the inbox. The same code therefore runs in
@@ -30,13 +35,14 @@ from typing import Any, Generator, Sequence
 
 import torch
 
+from gossip.buffers import Pieces, SendLease
 from gossip.message import STATE, Message
 from gossip.compression import CodecError
 from gossip.mixing import Inbox, MixingRule, MixReport
 from gossip.mixing.base import all_finite, decode_payload
 from gossip.state import FlatState
 
-__all__ = ["Node", "NodeConfig", "Compute", "Send", "Wait", "Action"]
+__all__ = ["Node", "NodeConfig", "Compute", "Send", "Wait", "Release", "Action"]
 
 log = logging.getLogger("gossip.node")
 
@@ -60,7 +66,16 @@ class Wait:
     timeout: float
 
 
-Action = Compute | Send | Wait
+@dataclass(frozen=True)
+class Release:
+    """Resume when ``lease`` is released (the transport is done with the
+    parameters sent in place) or ``timeout`` seconds have passed."""
+
+    lease: SendLease
+    timeout: float
+
+
+Action = Compute | Send | Wait | Release
 COMPUTE = Compute()
 GUARD_EVERY = 50  # good local steps between snapshots the NaN guard can go back to
 
@@ -78,6 +93,12 @@ class NodeConfig:
         this same code, which never sends non-finite parameters, so it may skip it.
     overlap : a synchronous round's messages travel while the next local steps
         compute; they are mixed at the following exchange (SGP's overlap variant)
+    live_sends : a synchronous round sends the parameters themselves, not a copy:
+        they do not change until the round mixes anyway. Set by a driver whose
+        transport keeps what it sends referenced until it is sent (the ZeroMQ one);
+        before mixing the node waits up to ``release_wait`` seconds for the
+        transport to let go, then moves its parameters to fresh memory instead (a
+        slow link still sending), leaving the old memory to the transport.
     """
 
     steps: int
@@ -85,6 +106,8 @@ class NodeConfig:
     timeout: float = 30.0
     check_payloads: bool = True  # decode and check every payload on arrival (input from a network)
     overlap: bool = False
+    live_sends: bool = False
+    release_wait: float = 0.2
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or self.steps < 0:
@@ -204,6 +227,8 @@ class Node:
         self.last_seq: dict[Any, int] = {}  # member id -> seq of its latest accepted message
         self.mix_totals = MixReport()
         self.now = 0.0
+        self._lease: SendLease | None = None  # the parameters, while a send made in place is in flight
+        self.held_sends = 0  # rounds whose send was still in flight at mixing time (parameters moved)
 
     # -- membership -------------------------------------------------------------------------
     def set_members(self, members: Sequence[Any], topology: Any) -> None:
@@ -248,6 +273,7 @@ class Node:
     def adopt(self, values: torch.Tensor) -> None:
         """Take these parameters (a neighbour's state, a checkpoint) as our own and as
         the NaN guard's restore point."""
+        self.settle()
         self.state.load_(values)
         self._good = self.state.snapshot()
 
@@ -301,10 +327,15 @@ class Node:
         out = self.outgoing(ch, rnd)
         if out:
             self.now = yield Send(out)
+        del out  # a send made in place is done once the transport lets go of it
         if ch.rule.synchronous and not ch.rule.ready(ch.inbox, ch.topology, self.index, rnd):
             self.waiting = (ch, rnd)
             self.now = yield Wait(self.config.timeout)
             self.waiting = None
+        lease = self._lease
+        if lease is not None and not lease.released():
+            self.now = yield Release(lease, self.config.release_wait)
+        del lease
         self.mix(ch, rnd)
         ch.round += 1
 
@@ -320,8 +351,21 @@ class Node:
         self.mix(ch, rnd)
 
     def outgoing(self, ch: Channel, rnd: int) -> list[tuple[Any, Message]]:
-        """``ch``'s packets for round ``rnd``, stamped as messages to member ids."""
-        packets = ch.rule.outgoing(self.state.flat, ch.topology, self.index, rnd)
+        """``ch``'s packets for round ``rnd``, stamped as messages to member ids.
+
+        With ``live_sends``, a synchronous round without overlap hands the rule
+        the parameters themselves through a :class:`SendLease`: nothing changes
+        them before this round's :meth:`mix`, which waits for the lease."""
+        rule = ch.rule
+        x = self.state.flat
+        live = self.config.live_sends and rule.synchronous and not rule.overlap and x.device.type == "cpu"
+        rule.sends_live = live
+        if live:
+            self.settle()  # another channel's send, still in flight
+            self._lease = SendLease(x)
+            x = self._lease.tensor()
+        packets = rule.outgoing(x, ch.topology, self.index, rnd)
+        del x
         if not packets:
             return []
         self.seq += 1
@@ -335,6 +379,7 @@ class Node:
 
     def mix(self, ch: Channel, rnd: int) -> MixReport:
         """Let ``ch``'s rule combine what arrived for round ``rnd``."""
+        self.settle()
         report = ch.rule.mix(self.state.flat, ch.inbox, ch.topology, self.index, rnd, self.step)
         t = self.mix_totals
         t.mixed += report.mixed
@@ -343,6 +388,15 @@ class Node:
         if report.missing:
             log.debug("node %s: round %d mixed without %d neighbour(s)", self.id, rnd, report.missing)
         return report
+
+    def settle(self) -> None:
+        """Make the parameters safe to change: if a send made in place is still in
+        flight, move them to fresh memory (the transport keeps the old)."""
+        lease, self._lease = self._lease, None
+        if lease is not None and not lease.released():
+            self.state.rehome()
+            self.held_sends += 1
+            log.debug("node %s: a send was still in flight at mixing time; parameters moved", self.id)
 
     def expected(self) -> list[Any]:
         """Member ids whose message the node waits for now (empty when not waiting)."""
@@ -360,6 +414,7 @@ class Node:
         good steps) with fresh optimizer state, and the step is counted, so the node
         never sends non-finite values and carries on.
         """
+        self.settle()
         batch = self.stream.next()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.task.loss(self.model, batch)
@@ -438,7 +493,7 @@ class Node:
             if last is not None and msg.seq <= last:
                 return "replay"
             try:
-                msg.tensor = decode_payload(msg, self.state.flat)
+                msg.tensor = decode_payload(msg, self.state.flat, pieces=True)  # checked where it lies
             except CodecError:
                 return "codec-data"
             if not all_finite(msg.tensor):
@@ -468,8 +523,12 @@ class Node:
             models = {}
             for sender, msg in self.last_from.items():
                 if self.index_of.get(sender) in current and msg.data is not None:
-                    models[sender] = decode_payload(msg, self.state.flat)
-        dists = [float((self.state.flat.double() - t.double()).pow(2).sum()) for t in models.values()]
+                    models[sender] = decode_payload(msg, self.state.flat, pieces=True)
+        x = self.state.flat
+        dists = []
+        for t in models.values():
+            parts = t if type(t) is Pieces else [(0, t)]
+            dists.append(sum(float((x[o:o + p.numel()].double() - p.double()).pow(2).sum()) for o, p in parts))
         return sum(dists) / len(dists) if dists else math.nan
 
     # -- persistence ------------------------------------------------------------------------

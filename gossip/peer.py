@@ -46,7 +46,7 @@ from gossip.message import Message
 from gossip.mixing import ALGORITHMS, make_rule
 from gossip.mixing.policy import build_policies, parse_link_policies
 from gossip.mixing.base import all_finite, decode_payload
-from gossip.node import Compute, Node, NodeConfig, Send, Wait, init_model
+from gossip.node import Compute, Node, NodeConfig, Release, Send, Wait, init_model
 from gossip.security import load_curve
 from gossip.state import FlatState, fingerprint_of
 from gossip.tasks import get_task
@@ -418,7 +418,8 @@ class Peer:
         rule = make_rule(cfg.algorithm, cfg.compression, asynchronous=cfg.asynchronous, staleness=cfg.staleness,
                          **cfg.options)
         policies = build_policies(parse_link_policies(cfg.link_policy), **cfg.rule_settings())
-        node_cfg = NodeConfig(cfg.steps, cfg.period, float(cfg.timeout), check_payloads=True, overlap=cfg.overlap)
+        node_cfg = NodeConfig(cfg.steps, cfg.period, float(cfg.timeout), check_payloads=True, overlap=cfg.overlap,
+                              live_sends=self.transport.holds_sends)
         self.rank, self.world_size = rank, world
         self.node = Node(self.id, members, self._topology_for(members), self.task, rule, node_cfg, seed=cfg.seed,
                          split=cfg.split, rank=rank, world_size=world, device=self.device, model=self.user_model,
@@ -637,14 +638,20 @@ class Peer:
                 if any(node.step % ch.period == 0 for ch in node.channels):
                     self._apply_members()  # membership changes take effect between rounds
             elif kind is Send:
-                encoded: dict[int, list] = {}
-                for dst, msg in action.messages:
-                    frames = encoded.get(id(msg))
-                    if frames is None:  # one encoding per distinct message, shared by its receivers
-                        frames = encoded[id(msg)] = wire.encode(msg)
-                    self.transport.send(dst, frames)
+                self._send(action.messages)
             elif kind is Wait:
                 self._wait(action.timeout)
+            elif kind is Release:
+                action.lease.wait(action.timeout)
+            del action  # nothing here may keep a sent message alive (see NodeConfig.live_sends)
+
+    def _send(self, messages: list) -> None:
+        encoded: dict[int, list] = {}
+        for dst, msg in messages:
+            frames = encoded.get(id(msg))
+            if frames is None:  # one encoding per distinct message, shared by its receivers
+                frames = encoded[id(msg)] = wire.encode(msg)
+            self.transport.send(dst, frames)
 
     def _wait(self, timeout: float) -> None:
         """Poll for the round's messages until ready, timeout, or an awaited neighbour dies."""
@@ -800,6 +807,7 @@ class Peer:
                    state_from=self.state_from, resumed_from=self.resumed_from, interrupted=self.interrupted,
                    device=str(self.device), wall_time_s=self.clock() - self.t0, train_time_s=self.train_seconds,
                    max_step_gap_s=self.max_step_gap, recoveries=node.recoveries if node is not None else 0,
+                   held_sends=node.held_sends if node is not None else 0,
                    steps_per_s=self.trained_steps / self.train_seconds if self.train_seconds > 0 else None)
         if self._metrics is not None and node is not None:
             self._metrics.write(json.dumps({"event": "summary", **out}, default=_jsonable) + "\n")

@@ -133,6 +133,25 @@ class FlatState:
         """A copy of the current parameters (safe to send while training continues)."""
         return self.flat.detach().clone()
 
+    def rehome(self) -> None:
+        """Move the parameters to fresh memory (same values), leaving :attr:`flat`'s
+        old memory to whoever still reads it (a send in flight).
+
+        Parameters keep their identity (an optimizer built over them keeps
+        working); only their storage moves, as at construction.
+        """
+        old = self.flat
+        new = torch.empty_like(old)
+        with torch.no_grad():
+            new.copy_(old)
+            for s in self.slots:
+                view = new[s.offset : s.offset + s.numel].view(s.shape)
+                if s.is_param:
+                    getattr(s.module, s.attr).data = view
+                else:
+                    s.module._buffers[s.attr] = view
+        self.flat = new
+
     def load_(self, values: torch.Tensor) -> None:
         """Overwrite the parameters in place from a flat tensor of the same size."""
         if values.numel() != self.numel:

@@ -13,8 +13,10 @@ metadata) and ``lens`` (byte length of each codec buffer); optional ``w``
 (push-sum mass) and ``x`` (small extra fields: members list, rule flags).
 
 Buffers larger than ``chunk`` bytes (1 MiB) travel as several frames of at
-most that size (header key ``chunk``); the receiver joins them into a pooled
-buffer (:mod:`gossip.buffers`). Small frames let libzmq's allocator reuse
+most that size (header key ``chunk``). The receiver keeps uncompressed
+payloads as those frames (:class:`gossip.buffers.Chunked`): the mixing step
+reads them in place, part by part. Other codecs' buffers are joined into a
+pooled block (:mod:`gossip.buffers`) for their decoders. Small frames let libzmq's allocator reuse
 receive memory instead of mapping (and page-faulting) a fresh region for every
 large message, which more than halves transfer time for a 64 MiB model on
 loopback; 1 MiB was the fastest and steadiest of 256 KiB - 16 MiB there.
@@ -32,7 +34,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-from gossip.buffers import pool
+from gossip.buffers import Chunked
 from gossip.compression import CodecError, Encoded, available_codecs, get_decoder
 from gossip.message import Message
 
@@ -60,7 +62,7 @@ class WireError(Exception):
 
 
 def _buffer_len(b: Any) -> int:
-    return memoryview(b).nbytes
+    return b.nbytes if type(b) is Chunked else memoryview(b).nbytes
 
 
 def header_of(msg: Message) -> dict[str, Any]:
@@ -104,19 +106,6 @@ def encode(msg: Message) -> list[Any]:
             else:
                 frames.append(b)
     return frames
-
-
-def _join(frames: Sequence[Any], total: int) -> memoryview:
-    """One contiguous buffer from chunk frames (the receive side's only copy)."""
-    import numpy as np  # noqa: PLC0415
-
-    out = pool.get(total)
-    pos = 0
-    for f in frames:
-        n = _buffer_len(f)
-        out[pos:pos + n] = np.frombuffer(f, dtype=np.uint8)
-        pos += n
-    return memoryview(out)
 
 
 def message_size(msg: Message) -> int:
@@ -232,7 +221,12 @@ def decode(frames: Sequence[Any]) -> Message:
             want = [n] if k == 1 else [chunk] * (k - 1) + [n - chunk * (k - 1)]
             if sizes != want:
                 raise WireError("lengths", f"buffer {i} length differs from the declared one")
-            buffers_list.append(parts[0] if k == 1 else _join(parts, n))
+            if k == 1:
+                buffers_list.append(parts[0])
+            else:
+                chunked = Chunked(list(parts), n)
+                # uncompressed payloads stay as frames (mixed in place); decoders of the others want one buffer
+                buffers_list.append(chunked if codec == "identity" else chunked.join())
         buffers = tuple(buffers_list)
         data = Encoded(codec, numel, dtype, meta, buffers)
         try:

@@ -116,6 +116,7 @@ WRITER = textwrap.dedent("""
     d = sys.argv[1]
     step = int(sys.argv[2])
     x = torch.randn(2_000_000, generator=torch.Generator().manual_seed(0))
+    print("ready", flush=True)
     while True:
         step += 1
         save_checkpoint({"flat": x + step, "step": step, "round": step}, d, step)
@@ -130,12 +131,16 @@ def test_kill_9_during_checkpoints_never_leaves_a_corrupt_file(tmp_path):
     base = torch.randn(2_000_000, generator=torch.Generator().manual_seed(0))
     last = 0
     for trial in range(12):
-        p = subprocess.Popen([sys.executable, str(script), str(d), str(last)], cwd=os.getcwd())
+        p = subprocess.Popen([sys.executable, str(script), str(d), str(last)], cwd=os.getcwd(),
+                             stdout=subprocess.PIPE, text=True)
         try:
-            time.sleep(1.5 + rng.random())  # import, then die at a random point of some write
+            # imports take seconds on a loaded machine: time the kill from the first write on
+            assert p.stdout.readline().strip() == "ready"
+            time.sleep(0.2 + rng.random())  # then die at a random point of some write
         finally:
             p.send_signal(signal.SIGKILL)
             p.wait(30)
+            p.stdout.close()
         path = latest_checkpoint(d)
         if path is None:
             continue

@@ -18,6 +18,8 @@ from typing import Any, Mapping
 
 import torch
 
+from gossip.buffers import Chunked
+
 __all__ = [
     "CHUNK",
     "DTYPES",
@@ -97,7 +99,7 @@ class Encoded:
     @property
     def nbytes(self) -> int:
         """Exact payload size: the sum of the buffers' byte lengths."""
-        return sum(memoryview(b).nbytes for b in self.buffers)
+        return sum(b.nbytes if type(b) is Chunked else memoryview(b).nbytes for b in self.buffers)
 
 
 class Codec:
@@ -307,6 +309,10 @@ def check_buffers(enc: Encoded, sizes: tuple[int, ...]) -> None:
     if len(enc.buffers) != len(sizes):
         raise CodecError(f"{enc.codec} expects {len(sizes)} buffers, got {len(enc.buffers)}")
     for i, (buf, size) in enumerate(zip(enc.buffers, sizes)):
+        if type(buf) is Chunked:  # received as frames; the wire checked each frame's length
+            if buf.nbytes != size:
+                raise CodecError(f"buffer {i} has {buf.nbytes} bytes, expected {size}")
+            continue
         try:
             view = memoryview(buf)
         except TypeError:
@@ -337,8 +343,11 @@ def from_buffer(buf: Any, dtype: torch.dtype) -> torch.Tensor:
 
     The result may alias a read-only buffer: callers must only read it. A buffer
     whose address is not a multiple of the item size is copied once, so kernels
-    never see misaligned data. Sizes must already be validated.
+    never see misaligned data. Sizes must already be validated. A buffer that
+    arrived as several frames (:class:`gossip.buffers.Chunked`) is joined.
     """
+    if type(buf) is Chunked:
+        buf = buf.join()
     view = memoryview(buf).cast("B")
     if view.nbytes == 0:
         return torch.empty(0, dtype=dtype)

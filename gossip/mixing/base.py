@@ -14,8 +14,9 @@ from typing import Any, Iterable
 
 import torch
 
-from gossip.buffers import pooled_copy
+from gossip.buffers import Chunked, Pieces, pooled_copy
 from gossip.compression import Codec, Encoded, get_codec, get_decoder
+from gossip.compression.base import DTYPES
 from gossip.message import Message, Packet
 
 __all__ = ["Inbox", "MixingRule", "MixReport", "all_finite", "decode_payload"]
@@ -119,6 +120,9 @@ class MixingRule:
     name = "rule"
     synchronous = True
     overlap = False  # set by the node: mix a round one exchange later, while the next one computes
+    # set by the node for each round: ``x`` stays unchanged until the transport has sent
+    # it, so a codec that views its input may encode ``x`` itself (no snapshot)
+    sends_live = False
 
     def __init__(self, codec: Codec | str = "none") -> None:
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
@@ -135,10 +139,12 @@ class MixingRule:
         """``x`` encoded for sending while training goes on changing it.
 
         A codec whose encoding views its input (identity on CPU) encodes a
-        snapshot, taken into a pooled buffer (:func:`gossip.buffers.pooled_copy`);
-        any other codec's encoding is a copy already, so ``x`` goes in as it is.
+        snapshot, taken into a pooled buffer (:func:`gossip.buffers.pooled_copy`),
+        unless the node said that ``x`` stays as it is until sent
+        (:attr:`sends_live`); any other codec's encoding is a copy already, so
+        ``x`` goes in as it is.
         """
-        return self.codec.encode(pooled_copy(x) if self.codec.aliases_input else x)
+        return self.codec.encode(pooled_copy(x) if self.codec.aliases_input and not self.sends_live else x)
 
     def ready(self, inbox: Inbox, topology: Any, me: int, rnd: int) -> bool:
         """Whether every expected message of round ``rnd`` is in (synchronous rules wait for this)."""
@@ -193,25 +199,48 @@ class MixingRule:
         while validating."""
         if msg.tensor is None:
             msg.tensor = decode_payload(msg, like)
+        elif type(msg.tensor) is Pieces:
+            msg.tensor = msg.tensor.join()
+        return msg.tensor
+
+    def decode_pieces(self, msg: Message, like: torch.Tensor) -> torch.Tensor | Pieces:
+        """Like :meth:`decode`, but an uncompressed payload that arrived as several
+        frames may come back as :class:`~gossip.buffers.Pieces` (for element-wise
+        use: :func:`all_finite`, :func:`~gossip.mixing.gossip.weighted_sum_`)."""
+        if msg.tensor is None:
+            msg.tensor = decode_payload(msg, like, pieces=True)
         return msg.tensor
 
 
-def decode_payload(msg: Message, like: torch.Tensor) -> torch.Tensor:
-    """Decode ``msg.data`` with the codec it names, as ``like``'s dtype and device."""
-    src = msg.data.source
+def decode_payload(msg: Message, like: torch.Tensor, pieces: bool = False) -> torch.Tensor | Pieces:
+    """Decode ``msg.data`` with the codec it names, as ``like``'s dtype and device.
+
+    With ``pieces=True``, an uncompressed payload of ``like``'s dtype that arrived
+    as several frames comes back as :class:`~gossip.buffers.Pieces` viewing them,
+    instead of being joined into one tensor (a copy of the whole payload)."""
+    data = msg.data
+    src = data.source
     if src is not None and src.dtype == like.dtype and src.device == like.device:
         return src  # delivered in-process: the payload is the sender's snapshot itself
+    if pieces and data.codec == "identity" and like.device.type == "cpu" and data.buffers \
+            and type(data.buffers[0]) is Chunked and DTYPES.get(data.dtype) == like.dtype:
+        get_decoder("identity").validate(data)
+        parts = data.buffers[0].pieces(like.dtype)
+        if parts is not None:
+            return parts
     t = get_decoder(msg.data.codec).decode(msg.data, device=like.device, copy=False)
     return t if t.dtype == like.dtype else t.to(like.dtype)
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every element of ``t`` is finite.
+def all_finite(t: torch.Tensor | Pieces) -> bool:
+    """Whether every element of ``t`` (a tensor or :class:`~gossip.buffers.Pieces`) is finite.
 
     ``aminmax`` propagates NaN and shows an infinity in its min or max, so one
     fused pass answers exactly; it is ~20x faster than ``isfinite().all()`` (which
     allocates a mask) or a float64 sum on large CPU tensors.
     """
+    if type(t) is Pieces:
+        return all(all_finite(p) for p in t.parts)
     if t.numel() == 0:
         return True
     lo, hi = torch.aminmax(t)

@@ -6,28 +6,34 @@ from typing import Any
 
 import torch
 
-from gossip.buffers import pooled_copy
+from gossip.buffers import Pieces, pooled_copy
 from gossip.message import Packet
 from gossip.mixing.base import Inbox, MixingRule, MixReport
 
 __all__ = ["GossipRule", "weighted_sum_"]
 
 
-def weighted_sum_(x: torch.Tensor, self_weight: float, terms: list[tuple[float, torch.Tensor]]) -> torch.Tensor:
+def weighted_sum_(x: torch.Tensor, self_weight: float, terms: list[tuple[float, torch.Tensor | Pieces]]) -> torch.Tensor:
     """In place: ``x <- self_weight * x + sum_k w_k t_k``.
 
     Computed as a chain of ``lerp_``: after each term ``x`` holds the weighted
     mean of the terms so far, ``x += (w_k / W_k) (t_k - x)`` with ``W_k`` the
     running total. That is one kernel per neighbour and no temporary, and each
     step is a convex combination (no growth of rounding error). When the weights
-    do not sum to 1 the mean is rescaled at the end.
+    do not sum to 1 the mean is rescaled at the end. A term given as
+    :class:`~gossip.buffers.Pieces` (a payload still in its wire frames) is
+    applied part by part.
     """
     total = self_weight
     for w, t in terms:
         if w == 0.0:
             continue
         total += w
-        x.lerp_(t, w / total)
+        if type(t) is Pieces:
+            for off, part in t:
+                x[off:off + part.numel()].lerp_(part, w / total)
+        else:
+            x.lerp_(t, w / total)
     if abs(total - 1.0) > 1e-9:
         x.mul_(total)
     return x
@@ -79,8 +85,12 @@ class GossipRule(MixingRule):
                 self_w += weights[j]  # an absent neighbour's weight goes to self: W stays row-stochastic
                 report.missing += 1
                 continue
-            terms.append((weights[j], self.decode(msg, x)))
+            terms.append((weights[j], msg))
         ref = self._sent.pop(rnd, None) if self.overlap else None
+        if ref is None and self.clip is None:
+            terms = [(w, self.decode_pieces(m, x)) for w, m in terms]  # read in place, frame by frame
+        else:
+            terms = [(w, self.decode(m, x)) for w, m in terms]
         if terms and self.clip is not None:
             self._clipped_mix(x, terms, ref)
             report.mixed = len(terms)

@@ -55,7 +55,7 @@ class PushSumRule(MixingRule):
             for msg in inbox.take_upto(j, rnd):
                 if msg.weight is None:
                     continue  # not a push-sum message (the node validates kinds; defensive)
-                terms.append((msg.weight, self.decode(msg, x)))
+                terms.append((msg.weight, self.decode_pieces(msg, x)))
                 if msg.round < rnd:
                     report.late += 1
                 else:

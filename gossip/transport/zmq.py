@@ -96,6 +96,11 @@ class ZmqTransport:
         and demos of slow links on one machine.
     """
 
+    #: Frames handed to :meth:`send` stay referenced until libzmq has sent them
+    #: (zero-copy), so a sender can tell when it may change their memory
+    #: (:class:`gossip.buffers.SendLease`).
+    holds_sends = True
+
     def __init__(self, node_id: str, listen: str, *, on_frames: Callable[[bytes, list], None],
                  on_tick: Callable[[float], None] | None = None, tick: float = 0.1,
                  max_message_size: int = -1, hwm: int = 16, curve: Any = None, io_threads: int = 2,
