@@ -79,7 +79,7 @@ def throughput(numel: int, repeat: int, specs: list[str], device: torch.device) 
         for spec, codec in codecs.items():
             ms, enc = timed(lambda: codec.encode(x, seed=round_), device)
             encode[spec].append(ms)
-            decode[spec].append(timed(lambda: codec.decode(enc, device=device), device)[0])
+            decode[spec].append(timed(lambda e=enc: codec.decode(e, device=device), device)[0])
             wire[spec] = enc.nbytes
             del enc
     results = {"memcpy": {"ms": statistics.median(memcpy)}}

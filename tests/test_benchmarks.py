@@ -26,7 +26,8 @@ def test_transport_benchmark_smoke():
     lines = stdout.strip().splitlines()
     result = json.loads(lines[-1])
     for key in ("exchange_over_raw_zmq", "exchange_over_raw_zmq_one_frame", "exchange_over_gloo",
-                "encode_decode_over_memcpy", "encode_decode_over_clone"):
+                "encode_decode_over_memcpy", "encode_decode_over_clone", "encode_decode_joined_over_memcpy"):
         assert 0 < result[key] < 1000, (key, result)
+    assert isinstance(result["sends_moved"], int) and result["sends_moved"] >= 0
     assert result["mib"] == 3
     assert any(line.startswith("raw pyzmq, 1 MiB frames") for line in lines)
