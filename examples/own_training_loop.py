@@ -39,7 +39,7 @@ def main() -> None:
                              topology="ring", period=args.period, settle=1.0, heartbeat=0.2)
     X, y = data.X[node.rank::node.world_size], data.y[node.rank::node.world_size]      # this node's shard
     g = torch.Generator().manual_seed(node.rank)
-    for _ in range(args.steps):
+    while node.steps < args.steps:              # the cluster's step count: everyone ends together
         idx = torch.randint(len(y), (32,), generator=g)
         opt.zero_grad()
         F.cross_entropy(model(X[idx]), y[idx]).backward()

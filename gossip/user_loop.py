@@ -54,6 +54,14 @@ class GossipNode:
     def members(self) -> list[str]:
         return list(self.peer.node.members) if self.peer.node else []
 
+    @property
+    def steps(self) -> int:
+        """Local steps so far, on the cluster's count: a node that joined late, or
+        joined again after a stall made the others drop it, continues from the
+        step the cluster is at. Loop ``while node.steps < total:`` to end
+        together with the others."""
+        return int(self.peer.node.step) if self.peer.node is not None else 0
+
     def step(self) -> None:
         """After ``optimizer.step()``: exchange and mix every ``period`` calls."""
         self.peer.step()

@@ -20,17 +20,23 @@ def free_port() -> int:
 
 
 class NodeProc:
-    """One ``gossip-node`` process; stdout/stderr go to files in ``workdir``."""
+    """One ``gossip-node`` process (or, with ``script``, a Python script of the
+    user's own, given ``HOST:PORT`` as its first argument); stdout/stderr go to
+    files in ``workdir``."""
 
-    def __init__(self, workdir: Path, name: str, args: list[str], port: int | None = None) -> None:
+    def __init__(self, workdir: Path, name: str, args: list[str], port: int | None = None,
+                 script: Path | None = None) -> None:
         self.port = port or free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.name = name
         self.out = workdir / f"{name}.out"
         self.err = workdir / f"{name}.err"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-c", "import sys; from gossip.cli import node_main; sys.exit(node_main())",
-               "--listen", f"tcp://{self.addr}", "--threads", "1", "-v", *args]
+        if script is not None:
+            cmd = [sys.executable, str(script), self.addr, *args]
+        else:
+            cmd = [sys.executable, "-c", "import sys; from gossip.cli import node_main; sys.exit(node_main())",
+                   "--listen", f"tcp://{self.addr}", "--threads", "1", "-v", *args]
         self.proc = subprocess.Popen(cmd, stdout=open(self.out, "w"), stderr=open(self.err, "w"), env=env,
                                      cwd=str(Path(__file__).resolve().parents[1]))
 
@@ -79,8 +85,8 @@ class Cluster:
         self.workdir = workdir
         self.nodes: list[NodeProc] = []
 
-    def start(self, name: str, args: list[str], port: int | None = None) -> NodeProc:
-        node = NodeProc(self.workdir, name, args, port)
+    def start(self, name: str, args: list[str], port: int | None = None, script: Path | None = None) -> NodeProc:
+        node = NodeProc(self.workdir, name, args, port, script)
         self.nodes.append(node)
         return node
 

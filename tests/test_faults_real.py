@@ -110,6 +110,66 @@ def test_a_paused_node_declared_dead_joins_again_by_itself(tmp_path):
     assert max(distances) < 0.01, distances
 
 
+USER_LOOP = textwrap.dedent("""
+    import json, logging, sys
+    import torch
+    import torch.nn.functional as F
+    import gossip
+    from gossip.tasks import SyntheticTask
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    listen, peers, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    torch.set_num_threads(1)
+    data = SyntheticTask()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    node = gossip.GossipNode(model, opt, listen=listen, peers=peers, topology="ring", period=2, settle=1.0,
+                             heartbeat=0.25, dead_after=2.0, grace=5.0, timeout=5.0, join_margin=10)
+    logging.info("training as rank %d", node.rank)
+    X, y = data.X[node.rank::node.world_size], data.y[node.rank::node.world_size]
+    g = torch.Generator().manual_seed(node.rank)
+    while node.steps < steps:  # the cluster's count: it jumps when the node joins again
+        idx = torch.randint(len(y), (32,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(X[idx]), y[idx]).backward()
+        opt.step()
+        node.step()
+    print(json.dumps({**node.close(), **data.evaluate(model)}, default=str))
+""")
+
+
+@pytest.mark.slow
+def test_a_paused_user_loop_declared_dead_joins_again_by_itself(tmp_path):
+    """The same stall as above in a training loop of the user's own (GossipNode):
+    its next ``step()`` learns that it was dropped and joins again."""
+    steps, n = 2500, 3
+    ports = [free_port() for _ in range(n)]
+    script = tmp_path / "loop.py"
+    script.write_text(USER_LOOP)
+    with Cluster(tmp_path) as c:
+        nodes = [c.start(f"u{i}", [f"127.0.0.1:{ports[(i + 1) % n]}", str(steps)], port=ports[i], script=script)
+                 for i in range(n)]
+        nodes[1].wait_for_log("training as", 120)
+        time.sleep(2.0)
+        nodes[1].proc.send_signal(signal.SIGSTOP)
+        nodes[0].wait_for_log("removed: silent for more than 2 s", 30)
+        time.sleep(1.0)
+        nodes[1].proc.send_signal(signal.SIGCONT)
+        codes = [x.wait(300) for x in nodes]
+        assert codes == [0] * n, nodes[1].log()[-3000:]
+        s = nodes[1].summary()
+        others = [nodes[0].summary(), nodes[2].summary()]
+        log = nodes[1].log()
+    assert "the cluster declared it dead while it was alive" in log, log[-3000:]
+    assert s["rejoins"] == 1 and s["joined"] and s["state_from"] is not None, s
+    assert s["steps"] == steps and all(o["steps"] == steps for o in others), (s, others)
+    assert s["members"] == n and all(o["members"] == n for o in others), (s, others)
+    assert s["accuracy"] > 0.8, s
+    distances = [x["neighbor_distance"] for x in (s, *others)]
+    assert max(distances) < 0.05, distances
+
+
 WRITER = textwrap.dedent("""
     import sys, torch
     from gossip.checkpoint import save_checkpoint
