@@ -14,12 +14,13 @@ metadata) and ``lens`` (byte length of each codec buffer); optional ``w``
 
 Buffers larger than ``chunk`` bytes (1 MiB) travel as several frames of at
 most that size (header key ``chunk``). The receiver keeps uncompressed
-payloads as those frames (:class:`gossip.buffers.Chunked`): the mixing step
-reads them in place, part by part. Other codecs' buffers are joined into a
-pooled block (:mod:`gossip.buffers`) for their decoders. Small frames let libzmq's allocator reuse
-receive memory instead of mapping (and page-faulting) a fresh region for every
-large message, which more than halves transfer time for a 64 MiB model on
-loopback; 1 MiB was the fastest and steadiest of 256 KiB - 16 MiB there.
+payloads as those frames (:class:`gossip.buffers.Chunked`): the finite check
+and the mixing step read them in place, part by part. Other codecs' buffers
+are joined into a pooled block (:mod:`gossip.buffers`) for their decoders.
+Small frames let libzmq's allocator reuse receive memory instead of mapping
+(and page-faulting) a fresh region for every large message, which more than
+halves transfer time for a 64 MiB model on loopback; 1 MiB was the fastest
+and steadiest of 256 KiB - 16 MiB there.
 
 Tensors are never pickled. :func:`decode` checks every field before anything
 is built from it and raises :class:`WireError` with a short ``reason`` that
@@ -100,6 +101,8 @@ def encode(msg: Message) -> list[Any]:
     frames: list[Any] = [TAG, _pack(header_of(msg))]
     if msg.data is not None:
         for b in msg.data.buffers:
+            if type(b) is Chunked:  # a received payload sent on: cut again at this side's chunk size
+                b = b.join()
             view = memoryview(b).cast("B")
             if view.nbytes > CHUNK:
                 frames.extend(view[i:i + CHUNK] for i in range(0, view.nbytes, CHUNK))

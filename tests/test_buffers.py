@@ -108,6 +108,14 @@ def test_uncompressed_payload_is_read_where_it_arrived():
     assert all_finite(x) and not all_finite(decode_payload(wire.decode(frames), x, pieces=True))
 
 
+def test_a_received_payload_can_be_sent_on():
+    x = torch.randn(3 * wire.CHUNK // 4 + 5)
+    frames = [bytes(memoryview(f)) for f in wire.encode(
+        Message("state", "a:1", 1, 1, 1, get_codec("none").encode(x), None, {}, "fp"))]
+    again = wire.encode(wire.decode(frames))
+    assert [bytes(memoryview(f)) for f in again] == frames
+
+
 def test_frames_that_split_a_value_are_joined():
     x = torch.arange(6, dtype=torch.float32)
     raw = x.numpy().tobytes()

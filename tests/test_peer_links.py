@@ -112,15 +112,25 @@ def _two_dc_run(tmp_path, name, emulate):
 
 def test_async_across_emulated_datacenters_nobody_waits_on_the_slow_link(tmp_path):
     slow = ["--emulate", "inter:latency=300ms,bandwidth=20Mbit"]
-    shaped = _two_dc_run(tmp_path, "shaped", slow)
-    free = _two_dc_run(tmp_path, "free", [])
-    for s in shaped:
-        assert s["members"] == 4 and s["final_accuracy"] > 0.8, s
-        assert s["bytes_inter"] > 0 and s["bytes_intra"] > 0, s
-        assert s["mixing"]["rule"] == "async"
-    rate = sorted(s["steps_per_s"] for s in shaped)[1:3]  # the middle two: this 2-core box is noisy
-    base = sorted(s["steps_per_s"] for s in free)[1:3]
-    assert sum(rate) >= 0.8 * sum(base), (rate, base)
+    ratios = []
+    # A node that waited on the 300 ms link would train at a few steps/s, far below the
+    # bound. The two runs are sequential on a shared 2-core machine, so a slow spell
+    # during one can still cost 20%: a second pair of runs is made before failing.
+    for attempt in range(2):
+        workdir = tmp_path / f"try{attempt}"
+        workdir.mkdir()
+        shaped = _two_dc_run(workdir, "shaped", slow)
+        free = _two_dc_run(workdir, "free", [])
+        for s in shaped:
+            assert s["members"] == 4 and s["final_accuracy"] > 0.8, s
+            assert s["bytes_inter"] > 0 and s["bytes_intra"] > 0, s
+            assert s["mixing"]["rule"] == "async"
+        rate = sorted(s["steps_per_s"] for s in shaped)[1:3]  # the middle two: this 2-core box is noisy
+        base = sorted(s["steps_per_s"] for s in free)[1:3]
+        ratios.append(sum(rate) / sum(base))
+        if ratios[-1] >= 0.8:
+            break
+    assert max(ratios) >= 0.8, ratios
 
 
 def test_control_messages_wait_for_a_fresh_connection_state_messages_do_not():
