@@ -182,17 +182,17 @@ class SendLease:
     def released(self) -> bool:
         return sys.getrefcount(self._array) <= 2  # this object's reference and getrefcount's argument
 
-    def wait(self, timeout: float, clock=time.monotonic, sleep=time.sleep) -> bool:
+    def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for :meth:`released`; return it.
 
         libzmq hands finished frames back through pyzmq's garbage-collection
         thread, so a send that has completed is seen here a moment later."""
         if self.released():
             return True
-        deadline = clock() + timeout
+        deadline = time.monotonic() + timeout
         pause = 1e-4
-        while clock() < deadline:
-            sleep(pause)
+        while time.monotonic() < deadline:
+            time.sleep(pause)
             if self.released():
                 return True
             pause = min(pause * 2, 5e-3)
