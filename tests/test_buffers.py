@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -106,6 +107,23 @@ def test_uncompressed_payload_is_read_where_it_arrived():
     assert torch.equal(decode_payload(msg, x), x)  # a joined tensor for consumers that need one
     frames[-1][-4:] = torch.tensor([float("nan")]).numpy().tobytes()  # the last value of the last frame
     assert all_finite(x) and not all_finite(decode_payload(wire.decode(frames), x, pieces=True))
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_is_exact(dtype):
+    x = torch.randn(10_000).to(dtype)
+    assert all_finite(x) and all_finite(torch.empty(0, dtype=dtype))
+    big = torch.full((100,), torch.finfo(dtype).max, dtype=dtype)  # finite values whose sum overflows
+    assert math.isinf(big.sum().item()) and all_finite(big) and all_finite(-big)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[1234] = bad
+        assert not all_finite(y)
+    y = x.clone()
+    y[3], y[7] = float("inf"), float("-inf")  # opposite infinities: a NaN sum, still rejected
+    assert not all_finite(y)
+    assert not all_finite(torch.cat([big, torch.tensor([float("nan")], dtype=dtype)]))  # overflow and NaN
 
 
 def test_a_received_payload_can_be_sent_on():
