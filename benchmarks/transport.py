@@ -29,6 +29,7 @@ import argparse
 import functools
 import json
 import multiprocessing as mp
+import resource
 import socket
 import statistics
 import sys
@@ -39,6 +40,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 WARMUP = 3  # rounds discarded: connection set-up and the receive-buffer pool filling up
+
+
+class Rounds:
+    """Wall time and CPU time of each round. CPU time is the whole process's, user
+    and system: ZeroMQ's and gloo's I/O threads and the kernel's loopback copies
+    made on their behalf count, so it says how much of two cores a path needs."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    @staticmethod
+    def _cpu() -> float:
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        return use.ru_utime + use.ru_stime
+
+    def __enter__(self) -> None:
+        self._t, self._c = time.perf_counter(), self._cpu()
+
+    def __exit__(self, *exc) -> None:
+        self.wall.append(time.perf_counter() - self._t)
+        self.cpu.append(self._cpu() - self._c)
+
+    def report(self, rank: int, *counts: int) -> tuple:
+        return (rank, self.wall[WARMUP:], self.cpu[WARMUP:], *counts)
 
 
 def free_port() -> int:
@@ -60,17 +86,16 @@ def _raw(rank: int, ports: list[int], numel: int, rounds: int, barrier, out, chu
     view = memoryview(x).cast("B")
     frames = [view[i:i + chunk] for i in range(0, view.nbytes, chunk)] if chunk else [view]
     barrier.wait()
-    times = []
+    clock = Rounds()
     for _ in range(rounds + WARMUP):
         barrier.wait()
-        t0 = time.perf_counter()
-        push.send_multipart(frames, copy=False)
-        got = pull.recv_multipart(copy=False)
-        [np.frombuffer(f.buffer, dtype=np.float32) for f in got]
-        del got
-        times.append(time.perf_counter() - t0)
+        with clock:
+            push.send_multipart(frames, copy=False)
+            got = pull.recv_multipart(copy=False)
+            [np.frombuffer(f.buffer, dtype=np.float32) for f in got]
+            del got
         barrier.wait()
-    out.put((rank, times[WARMUP:]))
+    out.put(clock.report(rank))
     push.close(0)
     pull.close(0)
     ctx.term()
@@ -130,56 +155,60 @@ def _gossip(rank: int, ports: list[int], numel: int, rounds: int, barrier, out) 
             break
     hello()  # the peer heard us, so this one arrives: it may still be waiting for it
     barrier.wait()
-    times, moved = [], 0
+    clock, moved = Rounds(), 0
     for r in range(1, rounds + WARMUP + 1):
         barrier.wait()
-        t0 = time.perf_counter()
-        # what Node.outgoing does with live sends: the rule encodes x itself
-        lease = SendLease(x)
-        rule.sends_live = True
-        [(_, packet)] = rule.outgoing(lease.tensor(), topology, rank, r)
-        frames = wire.encode(Message("state", me, r, r, r, packet.data, None, {}, "fp"))
-        del packet
-        t.send(peer, frames)
-        msg = receive(r, lambda f=frames: t.send(peer, f))
-        del frames
-        msg.tensor = decode_payload(msg, x, pieces=True)  # Node._check: decoded where it lies, validated
-        assert all_finite(msg.tensor)
-        mixing_inbox.add(1 - rank, msg)
-        del msg
-        if not lease.wait(0.2):  # Node.settle: still sending, so the parameters move to fresh memory
-            x = x.clone()
-            moved += 1
-        rule.mix(x, mixing_inbox, topology, rank, r, r)
-        times.append(time.perf_counter() - t0)
+        with clock:
+            # what Node.outgoing does with live sends: the rule encodes x itself
+            lease = SendLease(x)
+            rule.sends_live = True
+            [(_, packet)] = rule.outgoing(lease.tensor(), topology, rank, r)
+            frames = wire.encode(Message("state", me, r, r, r, packet.data, None, {}, "fp"))
+            del packet
+            t.send(peer, frames)
+            msg = receive(r, lambda f=frames: t.send(peer, f))
+            del frames
+            msg.tensor = decode_payload(msg, x, pieces=True)  # Node._check: decoded where it lies, validated
+            assert all_finite(msg.tensor)
+            mixing_inbox.add(1 - rank, msg)
+            del msg
+            if not lease.wait(0.2):  # Node.settle: still sending, so the parameters move to fresh memory
+                x = x.clone()
+                moved += 1
+            rule.mix(x, mixing_inbox, topology, rank, r, r)
         barrier.wait()
     assert float(x[0]) == 0.5 and float(x[-1]) == 0.5  # both sides mixed the other's values
-    out.put((rank, times[WARMUP:], moved))
+    out.put(clock.report(rank, moved))
     t.close()
 
 
-def _gloo(rank: int, ports: list[int], numel: int, rounds: int, barrier, out) -> None:
+def _gloo(rank: int, ports: list[int], numel: int, rounds: int, barrier, out, averager: bool = False) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
     x = torch.full((numel,), float(rank))
+    param = torch.nn.Parameter(x, requires_grad=False)
     barrier.wait()
-    times = []
+    clock = Rounds()
     for _ in range(rounds + WARMUP):
         barrier.wait()
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        times.append(time.perf_counter() - t0)
+        with clock:
+            if averager:  # PyTorch's model averager: flatten (a copy), divide, all_reduce, copy back
+                average_parameters(iter([param]), None)
+            else:
+                dist.all_reduce(x)
         barrier.wait()
-    out.put((rank, times[WARMUP:]))
+    out.put(clock.report(rank))
     dist.destroy_process_group()
 
 
-def run_pair(fn, numel: int, rounds: int) -> tuple[float, int]:
+def run_pair(fn, numel: int, rounds: int) -> tuple[float, float, int]:
     """Median round time (the slower rank per round) of ``fn`` over two processes,
-    and the sum of any counts the processes reported after their times."""
+    median CPU time per round and process, and the sum of any counts the
+    processes reported after their times."""
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(2), ctx.Queue()
     ports = [free_port(), free_port()]
@@ -189,14 +218,15 @@ def run_pair(fn, numel: int, rounds: int) -> tuple[float, int]:
             p.start()
         reports = [out.get(timeout=300) for _ in procs]
         results = {rep[0]: rep[1] for rep in reports}
+        cpu = statistics.median(c for rep in reports for c in rep[2])
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
                 p.join()
-    counts = sum(sum(rep[2:]) for rep in reports)
-    return statistics.median(max(a, b) for a, b in zip(results[0], results[1])), counts
+    counts = sum(sum(rep[3:]) for rep in reports)
+    return statistics.median(max(a, b) for a, b in zip(results[0], results[1])), cpu, counts
 
 
 def codec_overhead(numel: int, repeat: int) -> tuple[float, float, float, float]:
@@ -243,31 +273,38 @@ def codec_overhead(numel: int, repeat: int) -> tuple[float, float, float, float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=float, default=64.0)
-    ap.add_argument("--repeat", type=int, default=5, help="interleaved repetitions of all four")
+    ap.add_argument("--repeat", type=int, default=5, help="interleaved repetitions of all five paths")
     ap.add_argument("--rounds", type=int, default=5, help="exchanges per measurement")
     args = ap.parse_args()
     numel = int(args.mib * 2**20 / 4)
     payload = numel * 4
     from gossip.wire import CHUNK
 
-    raw, raw_chunked, goss, gloo = [], [], [], []
+    paths = {  # name: (worker, label)
+        "raw": (_raw, "raw pyzmq, one frame (both ways)"),
+        "raw_chunked": (functools.partial(_raw, chunk=CHUNK), f"raw pyzmq, {CHUNK >> 20} MiB frames"),
+        "gossip": (_gossip, "gossip exchange (send..mix)"),
+        "gloo": (_gloo, "gloo all_reduce"),
+        "averager": (functools.partial(_gloo, averager=True), "torch average_parameters (gloo)"),
+    }
+    wall: dict[str, list[float]] = {name: [] for name in paths}
+    cpu: dict[str, list[float]] = {name: [] for name in paths}
     moved = 0  # exchanges whose send was still in flight when the round mixed
     for _ in range(args.repeat):
-        raw.append(run_pair(_raw, numel, args.rounds)[0])
-        raw_chunked.append(run_pair(functools.partial(_raw, chunk=CHUNK), numel, args.rounds)[0])
-        g, n = run_pair(_gossip, numel, args.rounds)
-        goss.append(g)
-        moved += n
-        gloo.append(run_pair(_gloo, numel, args.rounds)[0])
-    r1, rc = statistics.median(raw), statistics.median(raw_chunked)
-    r, g, a = min(r1, rc), statistics.median(goss), statistics.median(gloo)
+        for name, (fn, _) in paths.items():
+            w, c, n = run_pair(fn, numel, args.rounds)
+            wall[name].append(w)
+            cpu[name].append(c)
+            moved += n
+    t = {name: statistics.median(v) for name, v in wall.items()}
+    c = {name: statistics.median(v) for name, v in cpu.items()}
+    r1, rc, g, a = t["raw"], t["raw_chunked"], t["gossip"], t["gloo"]
+    r = min(r1, rc)
     ed, edj, mc, cl = codec_overhead(numel, 15)
     print(f"payload {payload / 2**20:.0f} MiB float32, loopback, 2 processes, median of {args.repeat} x {args.rounds}")
-    print(f"{'path':<34} {'round ms':>9} {'GB/s per direction':>19}")
-    print(f"{'raw pyzmq, one frame (both ways)':<34} {r1 * 1e3:>9.1f} {payload / r1 / 1e9:>19.2f}")
-    print(f"{f'raw pyzmq, {CHUNK >> 20} MiB frames':<34} {rc * 1e3:>9.1f} {payload / rc / 1e9:>19.2f}")
-    print(f"{'gossip exchange (send..mix)':<34} {g * 1e3:>9.1f} {payload / g / 1e9:>19.2f}")
-    print(f"{'gloo all_reduce':<34} {a * 1e3:>9.1f} {payload / a / 1e9:>19.2f}")
+    print(f"{'path':<34} {'round ms':>9} {'GB/s per direction':>19} {'CPU ms per process':>19}")
+    for name, (_, label) in paths.items():
+        print(f"{label:<34} {t[name] * 1e3:>9.1f} {payload / t[name] / 1e9:>19.2f} {c[name] * 1e3:>19.1f}")
     print(f"encode + decode {ed * 1e3:.2f} ms vs one memcpy {mc * 1e3:.2f} ms ({ed / mc:.3f}x)"
           f" and one clone {cl * 1e3:.2f} ms ({ed / cl:.3f}x)")
     print(f"encode + decode into one tensor {edj * 1e3:.2f} ms ({edj / mc:.3f}x memcpy)")
@@ -279,6 +316,8 @@ def main() -> None:
                       "encode_decode_joined_over_memcpy": round(edj / mc, 3), "sends_moved": moved,
                       "raw_gbps": round(payload / r / 1e9, 3),
                       "exchange_gbps": round(payload / g / 1e9, 3), "gloo_ms": round(a * 1e3, 2),
+                      "exchange_over_torch_averager": round(g / t["averager"], 3),
+                      "cpu_ms": {name: round(v * 1e3, 1) for name, v in c.items()},
                       "mib": args.mib}))
 
 

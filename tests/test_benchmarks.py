@@ -26,8 +26,11 @@ def test_transport_benchmark_smoke():
     lines = stdout.strip().splitlines()
     result = json.loads(lines[-1])
     for key in ("exchange_over_raw_zmq", "exchange_over_raw_zmq_one_frame", "exchange_over_gloo",
-                "encode_decode_over_memcpy", "encode_decode_over_clone", "encode_decode_joined_over_memcpy"):
+                "encode_decode_over_memcpy", "encode_decode_over_clone", "encode_decode_joined_over_memcpy",
+                "exchange_over_torch_averager"):
         assert 0 < result[key] < 1000, (key, result)
     assert isinstance(result["sends_moved"], int) and result["sends_moved"] >= 0
     assert result["mib"] == 3
+    assert set(result["cpu_ms"]) == {"raw", "raw_chunked", "gossip", "gloo", "averager"}
+    assert all(v > 0 for v in result["cpu_ms"].values()), result["cpu_ms"]  # every path moved its bytes on a CPU
     assert any(line.startswith("raw pyzmq, 1 MiB frames") for line in lines)
