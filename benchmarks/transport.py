@@ -1,24 +1,34 @@
 """Transport benchmark: a gossip exchange of a 64 MiB parameter vector, side by side.
 
-Two processes on loopback, in one run, repeated and interleaved:
+Two processes on loopback, in one run, repeated and interleaved, each on one
+torch thread:
 
-  raw     pyzmq PUSH/PULL, each process pushes the vector to the other (both
-          directions at once, as in a gossip round) and receives the other's,
-          with the same libzmq settings (2 I/O threads) as the gossip transport:
-          once as one 64 MiB frame, once as 1 MiB frames (the wire's chunking);
-  gossip  the real exchange path: snapshot (a pooled copy, as the mixing rules
-          take it), encode (wire format), the ZmqTransport I/O thread, decode
-          (joining the chunk frames), validation (finite values), and the
-          mixing step (x <- (x + x_peer) / 2) -- everything but the local step;
-  gloo    torch.distributed all_reduce of the same vector with the gloo backend.
+  raw       pyzmq PUSH/PULL, each process pushes the vector to the other (both
+            directions at once, as in a gossip round) and receives the other's,
+            with the same libzmq settings (2 I/O threads) as the gossip
+            transport: once as one 64 MiB frame, once as 1 MiB frames (the
+            wire's chunking);
+  raw_mix   raw 1 MiB frames plus the work any gossip exchange must do on what
+            it receives: the finite check and the mix (``lerp_``), once after
+            the whole vector is in, once part by part as ``--parts`` messages
+            arrive (a pipelined receive). No wire format: a floor;
+  gossip    the real exchange path of a synchronous round: the rule's packet
+            (the parameters themselves, through a SendLease), wire encode, the
+            ZmqTransport I/O thread, decode (the frames where they arrived), the
+            node's finite check, the wait for ZeroMQ to let go of the parameters,
+            and GossipRule.mix -- everything but the local step;
+  gloo      torch.distributed all_reduce of the same vector with the gloo
+            backend, and PyTorch's model averager (average_parameters) over it.
 
-Bandwidth is payload bytes per direction / round time. Also reported: encode +
-decode of the 64 MiB message against one memcpy of it (into warm memory) and
-one clone (into fresh memory).
+Bandwidth is payload bytes per direction / round time. CPU time per round and
+process (user and system, all threads) says how much of the machine a path
+needs. Also reported: encode + decode of the 64 MiB message against one memcpy
+of it (into warm memory) and one clone (into fresh memory).
 
 Ends with one JSON line holding ``exchange_over_raw_zmq`` (gossip bandwidth /
-the faster raw bandwidth; target >= 0.7) and ``exchange_over_gloo`` (gossip
-round time / all_reduce time; target <= 1).
+the faster raw bandwidth; target >= 0.7), ``exchange_over_gloo`` (gossip
+round time / all_reduce time; target <= 1) and ``exchange_over_raw_mix``
+(gossip round time / its floor).
 
     python benchmarks/transport.py [--mib 64] [--repeat 5]
 """
@@ -94,6 +104,53 @@ def _raw(rank: int, ports: list[int], numel: int, rounds: int, barrier, out, chu
             got = pull.recv_multipart(copy=False)
             [np.frombuffer(f.buffer, dtype=np.float32) for f in got]
             del got
+        barrier.wait()
+    out.put(clock.report(rank))
+    push.close(0)
+    pull.close(0)
+    ctx.term()
+
+
+def _raw_mixing(rank: int, ports: list[int], numel: int, rounds: int, barrier, out, parts: int = 1) -> None:
+    """Raw pyzmq plus the work every gossip exchange does on what it receives:
+    check that it is finite (``all_finite``) and mix it into x (``lerp_``). The
+    vector travels as ``parts`` messages of 1 MiB frames, and each is checked
+    and mixed as soon as it is in: with ``parts`` > 1 that work overlaps with the
+    rest of the transfer. No wire format, and the send is from a second buffer,
+    so the mix never waits for ZeroMQ to let go of x: a floor for the gossip
+    exchange, with and without a pipelined receive."""
+    import torch
+    import zmq
+
+    from gossip.mixing.base import all_finite
+
+    torch.set_num_threads(1)
+    ctx = zmq.Context(io_threads=2)
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(f"tcp://127.0.0.1:{ports[rank]}")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{ports[1 - rank]}")
+    x = torch.full((numel,), float(rank))
+    view = memoryview(torch.full((numel,), float(rank)).numpy()).cast("B")
+    frame = 1 << 20
+    per = -(-view.nbytes // parts // frame) * frame  # bytes per message, whole frames
+    messages = [[view[i:i + frame] for i in range(lo, min(lo + per, view.nbytes), frame)]
+                for lo in range(0, view.nbytes, per)]
+    barrier.wait()
+    clock = Rounds()
+    for _ in range(rounds + WARMUP):
+        barrier.wait()
+        with clock:
+            for frames in messages:
+                push.send_multipart(frames, copy=False)
+            at = 0
+            for _ in messages:
+                got = [torch.frombuffer(f.buffer, dtype=torch.float32) for f in pull.recv_multipart(copy=False)]
+                assert all(all_finite(t) for t in got)
+                for t in got:
+                    x[at:at + t.numel()].lerp_(t, 0.5)
+                    at += t.numel()
+                del got
         barrier.wait()
     out.put(clock.report(rank))
     push.close(0)
@@ -273,16 +330,23 @@ def codec_overhead(numel: int, repeat: int) -> tuple[float, float, float, float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=float, default=64.0)
-    ap.add_argument("--repeat", type=int, default=5, help="interleaved repetitions of all five paths")
+    ap.add_argument("--repeat", type=int, default=5, help="interleaved repetitions of all the paths")
     ap.add_argument("--rounds", type=int, default=5, help="exchanges per measurement")
+    ap.add_argument("--parts", type=int, default=8, help="messages per vector on the pipelined raw path")
     args = ap.parse_args()
+    if args.parts < 1:
+        ap.error(f"--parts must be at least 1, got {args.parts}")
     numel = int(args.mib * 2**20 / 4)
     payload = numel * 4
     from gossip.wire import CHUNK
 
+    parts = len(range(0, payload, -(-payload // args.parts // CHUNK) * CHUNK))  # as _raw_mixing cuts it
     paths = {  # name: (worker, label)
         "raw": (_raw, "raw pyzmq, one frame (both ways)"),
         "raw_chunked": (functools.partial(_raw, chunk=CHUNK), f"raw pyzmq, {CHUNK >> 20} MiB frames"),
+        "raw_mix": (_raw_mixing, "raw + check + mix after"),
+        "raw_pipelined": (functools.partial(_raw_mixing, parts=args.parts),
+                          f"raw in {parts} parts, each mixed"),
         "gossip": (_gossip, "gossip exchange (send..mix)"),
         "gloo": (_gloo, "gloo all_reduce"),
         "averager": (functools.partial(_gloo, averager=True), "torch average_parameters (gloo)"),
@@ -317,6 +381,9 @@ def main() -> None:
                       "raw_gbps": round(payload / r / 1e9, 3),
                       "exchange_gbps": round(payload / g / 1e9, 3), "gloo_ms": round(a * 1e3, 2),
                       "exchange_over_torch_averager": round(g / t["averager"], 3),
+                      "raw_mix_over_gloo": round(t["raw_mix"] / a, 3),
+                      "exchange_over_raw_mix": round(g / t["raw_mix"], 3),
+                      "pipelined_over_mix_after": round(t["raw_pipelined"] / t["raw_mix"], 3),
                       "cpu_ms": {name: round(v * 1e3, 1) for name, v in c.items()},
                       "mib": args.mib}))
 
