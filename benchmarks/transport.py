@@ -111,6 +111,11 @@ def _raw(rank: int, ports: list[int], numel: int, rounds: int, barrier, out, chu
     ctx.term()
 
 
+def message_starts(nbytes: int, parts: int, frame: int) -> range:
+    """Where each of (at most) ``parts`` messages of whole ``frame``-byte frames starts."""
+    return range(0, nbytes, -(-nbytes // parts // frame) * frame)
+
+
 def _raw_mixing(rank: int, ports: list[int], numel: int, rounds: int, barrier, out, parts: int = 1) -> None:
     """Raw pyzmq plus the work every gossip exchange does on what it receives:
     check that it is finite (``all_finite``) and mix it into x (``lerp_``). The
@@ -133,9 +138,8 @@ def _raw_mixing(rank: int, ports: list[int], numel: int, rounds: int, barrier, o
     x = torch.full((numel,), float(rank))
     view = memoryview(torch.full((numel,), float(rank)).numpy()).cast("B")
     frame = 1 << 20
-    per = -(-view.nbytes // parts // frame) * frame  # bytes per message, whole frames
-    messages = [[view[i:i + frame] for i in range(lo, min(lo + per, view.nbytes), frame)]
-                for lo in range(0, view.nbytes, per)]
+    starts = message_starts(view.nbytes, parts, frame)
+    messages = [[view[i:i + frame] for i in range(lo, min(lo + starts.step, view.nbytes), frame)] for lo in starts]
     barrier.wait()
     clock = Rounds()
     for _ in range(rounds + WARMUP):
@@ -340,7 +344,7 @@ def main() -> None:
     payload = numel * 4
     from gossip.wire import CHUNK
 
-    parts = len(range(0, payload, -(-payload // args.parts // CHUNK) * CHUNK))  # as _raw_mixing cuts it
+    parts = len(message_starts(payload, args.parts, CHUNK))
     paths = {  # name: (worker, label)
         "raw": (_raw, "raw pyzmq, one frame (both ways)"),
         "raw_chunked": (functools.partial(_raw, chunk=CHUNK), f"raw pyzmq, {CHUNK >> 20} MiB frames"),

@@ -113,9 +113,11 @@ def _two_dc_run(tmp_path, name, emulate):
 def test_async_across_emulated_datacenters_nobody_waits_on_the_slow_link(tmp_path):
     slow = ["--emulate", "inter:latency=300ms,bandwidth=20Mbit"]
     ratios = []
-    # A node that waited on the 300 ms link would train at a few steps/s, far below the
-    # bound. The two runs are sequential on a shared 2-core machine, so a slow spell
-    # during one can still cost 20%: a second pair of runs is made before failing.
+    # A node that waited on the 300 ms link would train at a few steps/s (synchronous
+    # rounds on this setup: 3.9), 1-3% of the free cluster's 150-350 steps/s. The two runs are sequential on a shared 2-core
+    # machine, where the same 4-node run has gone from 155 to 300 steps/s between two
+    # tries, so the bound is half the free rate, and a second pair of runs is made
+    # before failing.
     for attempt in range(2):
         workdir = tmp_path / f"try{attempt}"
         workdir.mkdir()
@@ -128,9 +130,9 @@ def test_async_across_emulated_datacenters_nobody_waits_on_the_slow_link(tmp_pat
         rate = sorted(s["steps_per_s"] for s in shaped)[1:3]  # the middle two: this 2-core box is noisy
         base = sorted(s["steps_per_s"] for s in free)[1:3]
         ratios.append(sum(rate) / sum(base))
-        if ratios[-1] >= 0.8:
+        if ratios[-1] >= 0.5:
             break
-    assert max(ratios) >= 0.8, ratios
+    assert max(ratios) >= 0.5, ratios
 
 
 def test_control_messages_wait_for_a_fresh_connection_state_messages_do_not():
