@@ -151,6 +151,20 @@ def _scalars(d: Any, what: str) -> dict[str, Any]:
     return d
 
 
+def claimed_sender(frames: Sequence[Any]) -> str | None:
+    """The sender id a gossip message's header claims, or None when the frames are
+    not a gossip message of this version with a string sender. Nothing else is
+    validated: :func:`decode` does that."""
+    try:
+        if len(frames) < 2 or bytes(frames[0]) != TAG or _buffer_len(frames[1]) > MAX_HEADER:
+            return None
+        h = msgpack.unpackb(frames[1], raw=False, strict_map_key=True)
+    except Exception:  # msgpack raises several unrelated types on garbage
+        return None
+    sender = h.get("from") if isinstance(h, dict) else None
+    return sender if isinstance(sender, str) and 0 < len(sender) <= 256 else None
+
+
 def decode(frames: Sequence[Any]) -> Message:
     """Parse and validate frames into a :class:`Message`; raise :class:`WireError`."""
     try:

@@ -3,6 +3,7 @@ and only speak ciphertext on the wire."""
 
 from __future__ import annotations
 
+import queue
 import signal
 import socket
 import stat
@@ -330,3 +331,61 @@ def test_traffic_is_encrypted_on_the_wire(tmp_path, curve):
         assert found == [] and b"CURVE" in seen[:64], found  # the greeting names the mechanism, nothing else
     else:
         assert found == secrets
+
+
+# -- connections libzmq named itself ---------------------------------------------------------
+def _unnamed_dealer_sends(transport_id: str, messages: list[list[bytes]], keys=None, client_keys=None) -> list:
+    """Send ``messages`` from a DEALER that sets no routing id (so libzmq names its
+    connection, as it does in the handover race of libzmq issue 3771) to a transport
+    listening as ``transport_id``; return what reached ``on_frames`` and the transport."""
+    from gossip.transport.zmq import ZmqTransport
+
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    t = ZmqTransport(transport_id, f"tcp://{transport_id}", on_frames=lambda ident, f: got.put((ident, bytes(f[0]))),
+                     curve=None if keys is None else load_curve(keys, transport_id))
+    t.start()
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            s.curve_publickey, s.curve_secretkey, s.curve_serverkey = *client_keys, zmq.auth.load_certificate(
+                keys / "node.key_secret")[0]
+        s.connect(f"tcp://{transport_id}")
+        for frames in messages:
+            s.send_multipart(frames)
+        arrived = []
+        deadline = time.monotonic() + 10
+        while len(arrived) + sum(t.rejected.values()) < len(messages) and time.monotonic() < deadline:
+            try:
+                arrived.append(got.get(timeout=0.1))
+            except queue.Empty:
+                pass
+        s.close(0)
+    finally:
+        ctx.term()
+        t.close()
+    return arrived, t
+
+
+def test_a_message_on_a_connection_libzmq_named_is_filed_under_its_header_id():
+    me = f"127.0.0.1:{free_port()}"
+    fp = synthetic_fingerprint()
+    arrived, t = _unnamed_dealer_sends(me, [hello("127.0.0.1:9", fp), [b"not a gossip message"]])
+    assert [ident for ident, _ in arrived][0] == b"127.0.0.1:9"  # the header's id, not libzmq's
+    junk = arrived[1][0]
+    assert junk[:1] == b"\x00" and len(junk) == 5  # not one of ours: it keeps libzmq's name, decoding refuses it
+    assert t.events["named-by-libzmq"] == 1 and not t.rejected
+
+
+def test_with_curve_a_libzmq_named_connection_still_speaks_only_for_its_key(tmp_path):
+    a_id, b_id = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    keys = tmp_path / "keys"
+    generate_keys(keys, [a_id, b_id])
+    b_key = zmq.auth.load_certificate(keys / key_file_name(b_id) / "node.key_secret")
+    fp = synthetic_fingerprint()
+    arrived, t = _unnamed_dealer_sends(a_id, [hello(b_id, fp), hello("127.0.0.1:3", fp)],
+                                       keys=keys / key_file_name(a_id), client_keys=b_key)
+    assert [ident for ident, _ in arrived] == [b_id.encode()]  # B's key, B's id: let in
+    assert t.rejected == {"identity": 1}  # B's key claiming another id: refused, as with a named connection
+    assert t.events["named-by-libzmq"] == 2

@@ -137,3 +137,14 @@ def test_chunk_frames_are_checked_one_by_one():
     with pytest.raises(wire.WireError) as e:  # an absurd chunk size
         wire.decode(header(frames, chunk=7))
     assert e.value.reason == "header"
+
+
+def test_claimed_sender_reads_only_a_gossip_header_with_a_string_sender():
+    frames = wire.encode(Message("ping", "10.0.0.1:5555", 0, 0, 0, None, None, {}, "fp"))
+    assert wire.claimed_sender(frames) == "10.0.0.1:5555"
+    header = msgpack.unpackb(frames[1])
+    for bad in ([], [wire.TAG], [wire.PREFIX + b"0", frames[1]], [wire.TAG, b"\xc1garbage"], [wire.TAG, msgpack.packb([1])],
+                [wire.TAG, msgpack.packb({**header, "from": 7})], [wire.TAG, msgpack.packb({**header, "from": ""})],
+                [wire.TAG, msgpack.packb({**header, "from": "x" * 257})],
+                [wire.TAG, b"\x00" * (wire.MAX_HEADER + 1)]):
+        assert wire.claimed_sender(bad) is None, bad

@@ -36,6 +36,8 @@ from typing import Any, Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from gossip import wire
+
 __all__ = ["ZmqTransport", "BindError"]
 
 log = logging.getLogger("gossip.transport")
@@ -227,6 +229,27 @@ class ZmqTransport:
             self._dealers[dst] = s
         return s
 
+    def _unnamed(self, ident: bytes, body: list) -> bytes:
+        """The id to file a message under when libzmq named its connection itself.
+
+        Routing ids that start with a zero byte are libzmq's own; every node's
+        DEALER sets its node id. libzmq can still hand out its own id when a
+        connection takes over from an older one with the same id (libzmq issue
+        3771), and the node would then refuse a member's messages as coming from
+        a stranger. The sender's id is then taken from the message header. That
+        trusts the header no more than a routing id, which the sender sets
+        freely too; with CURVE the check that follows still requires the
+        connection's key to be the one filed for that id.
+        """
+        claimed = wire.claimed_sender(body)
+        if claimed is None:
+            return ident  # not one of ours: decoding refuses it, under the name libzmq gave it
+        self.events["named-by-libzmq"] += 1  # messages, not connections: counted with the events
+        if self.events["named-by-libzmq"] == 1:
+            log.info("%s: a connection from %s arrived under a name libzmq made up; filed under its header's id",
+                     self.node_id, claimed[:64])
+        return claimed.encode()
+
     def _flush(self) -> None:
         now = self.clock()
         while True:
@@ -356,6 +379,8 @@ class ZmqTransport:
                             break
                         ident = frames[0].bytes
                         body = [f.buffer for f in frames[1:]]
+                        if ident[:1] == b"\x00":
+                            ident = self._unnamed(ident, body)
                         self._count(self.bytes_received, ident.decode(errors="replace"), sum(f.nbytes for f in body))
                         if self.curve is not None:
                             reason = self.curve.check(ident, frames[1])
