@@ -97,6 +97,9 @@ class Membership:
     # members that appeared or came back (a new life, or re-admitted) since the last
     # take_renewed(): a connection kept towards an earlier life must be opened afresh
     renewed: set[str] = field(default_factory=set)
+    # whether this node trains (the peer sets it when it starts; a new life clears it).
+    # Only a training node's death verdicts become leave rounds, see remove().
+    training: bool = False
 
     def __post_init__(self) -> None:
         self.members[self.self_id] = Member(self.self_id, self.incarnation, 0.0, "waiting", dc=self.dc,
@@ -206,8 +209,13 @@ class Membership:
             return False
         (self.departed if departed else self.dead)[mid] = m.incarnation
         # it leaves the topology at a round everyone adopts (announced to all), so
-        # synchronous rounds stay aligned; until then its weight goes to self
-        self.announce_leave(mid, self.max_round() + self.leave_margin)
+        # synchronous rounds stay aligned; until then its weight goes to self. A node
+        # that does not train (it waits for its join round or for a neighbour's state)
+        # announces nothing: its silence is often its own, and the member it would
+        # drop ignores the word of a node that is not training, so the two views
+        # would never meet again. It learns the running members' leaves from them.
+        if self.training:
+            self.announce_leave(mid, self.max_round() + self.leave_margin)
         self.version += 1
         log.warning("member %s removed: %s", mid, reason)
         return True
@@ -219,6 +227,7 @@ class Membership:
         self.incarnation = incarnation
         me = self.members[self.self_id]
         me.incarnation, me.status = incarnation, "waiting"
+        self.training = False
         self.base.discard(self.self_id)
         self.joins.pop(self.self_id, None)
         self.leaves.pop(self.self_id, None)

@@ -430,6 +430,8 @@ class Peer:
         if cfg.resume and not self.rejoins:  # a new life takes the cluster's state, not its own past
             self._resume()
         self.status = "training"
+        with self.lock:
+            self.membership.training = True
         if mode == "fresh":
             # tell everyone whom we started with: a member that has not noticed the
             # settle yet then starts as one of us instead of asking to join

@@ -21,6 +21,7 @@ class Plane:
         self.excluded: list[tuple[int, str]] = []
         self.status, self.round = status, rnd
         self.m = Membership(me, 1, FP, dead_after=2.0)
+        self.m.training = status == "training"
         self.m.heard(me, 1, 0.0)
         self.cp = ControlPlane(me, 1, FP, "", self.m, threading.RLock(), lambda d, m: self.sent.append((d, m)),
                                lambda m: None, lambda: (self.status, self.round, 0), heartbeat=0.5, seeds=seeds,
@@ -135,3 +136,30 @@ def test_a_node_that_stalled_does_not_count_its_own_stall_as_the_members_silence
     for t in (0.0, 0.5, 1.0, 1.5, 2.0):
         assert c.cp.tick(t) == []
     assert c.cp.tick(2.5) == [b]
+
+
+def test_a_node_waiting_for_its_join_does_not_drop_a_member_it_cannot_hear():
+    """A node between lives (waiting for its join round and a neighbour's state) may not
+    hear a member for a while. Its verdict must not become a leave round: the member
+    ignores a non-training node's word, keeps training, and the two would never again
+    agree on who trains (every synchronous round would wait for the other in vain)."""
+    a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    me = Plane(b, status="training", rnd=40)
+    for other in (a, c):
+        me.m.heard(other, 1, 0.0, status="training", round=40)
+    me.m.start([a, b, c])
+    me.status = "waiting"
+    me.m.new_life(2)  # declared dead while paused: a new life, which joins at an announced round
+    assert not me.m.training
+    me.m.announce_join(b, 60)
+    me.m.members[c].last_seen = 3.0
+    assert me.cp.tick(3.0) == [a]  # a was silent for more than dead_after: removed from the table
+    assert a not in me.m.members and a not in me.m.leaves  # but no leave round: we do not train
+    me.receive("ping", a, status="training", rnd=45)  # a speaks: it was alive all along
+    assert me.m.at_round(60) == [a, b, c]  # the same members a and c train with from round 60
+
+    # a training node's verdict still is a leave round, announced to all
+    other = Plane(c, status="training", rnd=40)
+    other.m.heard(a, 1, 0.0, status="training", round=40)
+    other.m.start([a, c])
+    assert other.cp.tick(3.0) == [a] and a in other.m.leaves
