@@ -151,22 +151,8 @@ def _scalars(d: Any, what: str) -> dict[str, Any]:
     return d
 
 
-def claimed_sender(frames: Sequence[Any]) -> str | None:
-    """The sender id a gossip message's header claims, or None when the frames are
-    not a gossip message of this version with a string sender. Nothing else is
-    validated: :func:`decode` does that."""
-    try:
-        if len(frames) < 2 or bytes(frames[0]) != TAG or _buffer_len(frames[1]) > MAX_HEADER:
-            return None
-        h = msgpack.unpackb(frames[1], raw=False, strict_map_key=True)
-    except Exception:  # msgpack raises several unrelated types on garbage
-        return None
-    sender = h.get("from") if isinstance(h, dict) else None
-    return sender if isinstance(sender, str) and 0 < len(sender) <= 256 else None
-
-
-def decode(frames: Sequence[Any]) -> Message:
-    """Parse and validate frames into a :class:`Message`; raise :class:`WireError`."""
+def _header(frames: Sequence[Any]) -> dict:
+    """The checked frame count and tag, and the header map; raise :class:`WireError`."""
     try:
         nframes = len(frames)
     except TypeError:
@@ -189,6 +175,24 @@ def decode(frames: Sequence[Any]) -> Message:
         raise WireError("header", "undecodable header") from None
     if not isinstance(h, dict):
         raise WireError("header", "header is not a map")
+    return h
+
+
+def claimed_sender(frames: Sequence[Any]) -> str | None:
+    """The sender id a gossip message's header claims, or None when the frames are
+    not a gossip message of this version with a string sender. Nothing else is
+    validated: :func:`decode` does that."""
+    try:
+        sender = _header(frames).get("from")
+    except WireError:
+        return None
+    return sender if isinstance(sender, str) and 0 < len(sender) <= 256 else None
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Parse and validate frames into a :class:`Message`; raise :class:`WireError`."""
+    h = _header(frames)
+    nframes = len(frames)
     kind = h.get("kind")
     if kind not in KINDS:
         raise WireError("kind", f"unknown kind {str(kind)[:32]!r}")
