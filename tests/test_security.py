@@ -334,7 +334,7 @@ def test_traffic_is_encrypted_on_the_wire(tmp_path, curve):
 
 
 # -- connections libzmq named itself ---------------------------------------------------------
-def _unnamed_dealer_sends(transport_id: str, messages: list[list[bytes]], keys=None, client_keys=None) -> list:
+def _unnamed_dealer_sends(transport_id: str, messages: list[list[bytes]], keys=None, client_keys=None) -> tuple:
     """Send ``messages`` from a DEALER that sets no routing id (so libzmq names its
     connection, as it does in the handover race of libzmq issue 3771) to a transport
     listening as ``transport_id``; return what reached ``on_frames`` and the transport."""
