@@ -36,6 +36,7 @@ round time / all_reduce time; target <= 1) and ``exchange_over_raw_mix``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import multiprocessing as mp
@@ -83,32 +84,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _raw(rank: int, ports: list[int], numel: int, rounds: int, barrier, out, chunk: int = 0) -> None:
-    import numpy as np
+@contextlib.contextmanager
+def _push_pull(rank: int, ports: list[int]):
+    """This process's PUSH towards the other and its PULL, with libzmq at 2 I/O
+    threads as the gossip transport uses; closed on exit."""
     import zmq
 
-    ctx = zmq.Context(io_threads=2)  # as the gossip transport uses
+    ctx = zmq.Context(io_threads=2)
     pull = ctx.socket(zmq.PULL)
     pull.bind(f"tcp://127.0.0.1:{ports[rank]}")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{ports[1 - rank]}")
+    try:
+        yield push, pull
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+
+
+def _raw(rank: int, ports: list[int], numel: int, rounds: int, barrier, out, chunk: int = 0) -> None:
+    import numpy as np
+
     x = np.ones(numel, dtype=np.float32)
     view = memoryview(x).cast("B")
     frames = [view[i:i + chunk] for i in range(0, view.nbytes, chunk)] if chunk else [view]
-    barrier.wait()
-    clock = Rounds()
-    for _ in range(rounds + WARMUP):
+    with _push_pull(rank, ports) as (push, pull):
         barrier.wait()
-        with clock:
-            push.send_multipart(frames, copy=False)
-            got = pull.recv_multipart(copy=False)
-            [np.frombuffer(f.buffer, dtype=np.float32) for f in got]
-            del got
-        barrier.wait()
-    out.put(clock.report(rank))
-    push.close(0)
-    pull.close(0)
-    ctx.term()
+        clock = Rounds()
+        for _ in range(rounds + WARMUP):
+            barrier.wait()
+            with clock:
+                push.send_multipart(frames, copy=False)
+                got = pull.recv_multipart(copy=False)
+                [np.frombuffer(f.buffer, dtype=np.float32) for f in got]
+                del got
+            barrier.wait()
+        out.put(clock.report(rank))
 
 
 def message_starts(nbytes: int, parts: int, frame: int) -> range:
@@ -125,41 +137,33 @@ def _raw_mixing(rank: int, ports: list[int], numel: int, rounds: int, barrier, o
     so the mix never waits for ZeroMQ to let go of x: a floor for the gossip
     exchange, with and without a pipelined receive."""
     import torch
-    import zmq
 
     from gossip.mixing.base import all_finite
+    from gossip.wire import CHUNK
 
     torch.set_num_threads(1)
-    ctx = zmq.Context(io_threads=2)
-    pull = ctx.socket(zmq.PULL)
-    pull.bind(f"tcp://127.0.0.1:{ports[rank]}")
-    push = ctx.socket(zmq.PUSH)
-    push.connect(f"tcp://127.0.0.1:{ports[1 - rank]}")
     x = torch.full((numel,), float(rank))
     view = memoryview(torch.full((numel,), float(rank)).numpy()).cast("B")
-    frame = 1 << 20
-    starts = message_starts(view.nbytes, parts, frame)
-    messages = [[view[i:i + frame] for i in range(lo, min(lo + starts.step, view.nbytes), frame)] for lo in starts]
-    barrier.wait()
-    clock = Rounds()
-    for _ in range(rounds + WARMUP):
+    starts = message_starts(view.nbytes, parts, CHUNK)
+    messages = [[view[i:i + CHUNK] for i in range(lo, min(lo + starts.step, view.nbytes), CHUNK)] for lo in starts]
+    with _push_pull(rank, ports) as (push, pull):
         barrier.wait()
-        with clock:
-            for frames in messages:
-                push.send_multipart(frames, copy=False)
-            at = 0
-            for _ in messages:
-                got = [torch.frombuffer(f.buffer, dtype=torch.float32) for f in pull.recv_multipart(copy=False)]
-                assert all(all_finite(t) for t in got)
-                for t in got:
-                    x[at:at + t.numel()].lerp_(t, 0.5)
-                    at += t.numel()
-                del got
-        barrier.wait()
-    out.put(clock.report(rank))
-    push.close(0)
-    pull.close(0)
-    ctx.term()
+        clock = Rounds()
+        for _ in range(rounds + WARMUP):
+            barrier.wait()
+            with clock:
+                for frames in messages:
+                    push.send_multipart(frames, copy=False)
+                at = 0
+                for _ in messages:
+                    got = [torch.frombuffer(f.buffer, dtype=torch.float32) for f in pull.recv_multipart(copy=False)]
+                    assert all(all_finite(t) for t in got)
+                    for t in got:
+                        x[at:at + t.numel()].lerp_(t, 0.5)
+                        at += t.numel()
+                    del got
+            barrier.wait()
+        out.put(clock.report(rank))
 
 
 def _gossip(rank: int, ports: list[int], numel: int, rounds: int, barrier, out) -> None:

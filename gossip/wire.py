@@ -151,6 +151,11 @@ def _scalars(d: Any, what: str) -> dict[str, Any]:
     return d
 
 
+def _is_node_id(x: Any) -> bool:
+    """A node id as headers carry it: a non-empty string of at most 256 characters."""
+    return isinstance(x, str) and 0 < len(x) <= 256
+
+
 def _header(frames: Sequence[Any]) -> dict:
     """The checked frame count and tag, and the header map; raise :class:`WireError`."""
     try:
@@ -186,7 +191,7 @@ def claimed_sender(frames: Sequence[Any]) -> str | None:
         sender = _header(frames).get("from")
     except WireError:
         return None
-    return sender if isinstance(sender, str) and 0 < len(sender) <= 256 else None
+    return sender if _is_node_id(sender) else None
 
 
 def decode(frames: Sequence[Any]) -> Message:
@@ -197,7 +202,7 @@ def decode(frames: Sequence[Any]) -> Message:
     if kind not in KINDS:
         raise WireError("kind", f"unknown kind {str(kind)[:32]!r}")
     sender = h.get("from")
-    if not (isinstance(sender, str) and 0 < len(sender) <= 256) and not (
+    if not _is_node_id(sender) and not (
             isinstance(sender, int) and not isinstance(sender, bool) and 0 <= sender <= MAX_INT):
         raise WireError("header", "bad sender id")
     seq, rnd, prog = _int(h, "seq", 0), _int(h, "round", 0), _int(h, "prog", 0)

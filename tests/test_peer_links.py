@@ -114,10 +114,10 @@ def test_async_across_emulated_datacenters_nobody_waits_on_the_slow_link(tmp_pat
     slow = ["--emulate", "inter:latency=300ms,bandwidth=20Mbit"]
     ratios = []
     # A node that waited on the 300 ms link would train at a few steps/s (synchronous
-    # rounds on this setup: 3.9), 1-3% of the free cluster's 150-350 steps/s. The two runs are sequential on a shared 2-core
-    # machine, where the same 4-node run has gone from 155 to 300 steps/s between two
-    # tries, so the bound is half the free rate, and a second pair of runs is made
-    # before failing.
+    # rounds on this setup: 3.9), 1-3% of the free cluster's 150-350 steps/s. The two
+    # runs are sequential on a shared 2-core machine, where the same 4-node run has
+    # gone from 155 to 300 steps/s between two tries, so the bound is half the free
+    # rate, and a second pair of runs is made before failing.
     for attempt in range(2):
         workdir = tmp_path / f"try{attempt}"
         workdir.mkdir()
