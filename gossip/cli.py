@@ -286,7 +286,8 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="largest message accepted (default: twice the model + 1 MiB)")
     p.add_argument("--emulate", action="append", default=None, metavar="CLASS:SPEC",
                    help="emulate slow links on one machine (off by default): CLASS intra, inter or all, SPEC as "
-                        "--link in gossip-sim, e.g. inter:latency=50ms,bandwidth=100Mbit,loss=0.01; repeatable")
+                        "--link in gossip-sim, e.g. inter:latency=50ms,bandwidth=100Mbit,loss=0.01; "
+                        "inter:down=10s-30s cuts the datacenters apart from 10 to 30 s after start; repeatable")
     p.add_argument("--curve-keys", metavar="DIR",
                    help="encrypt and authenticate with CurveZMQ: DIR/node.key_secret is this node's key pair, "
                         "DIR/allowed/*.key the public keys of the nodes allowed in (make them with gossip-keys)")

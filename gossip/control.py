@@ -6,7 +6,9 @@ training step. It answers ``hello`` with the member list, spreads member lists
 digest, declares silent members dead, and announces joins: when a new node
 says hello to a training cluster, the first member to hear it schedules the
 round from which it takes part (far enough ahead that every member hears of it)
-and tells everyone.
+and tells everyone. It keeps saying hello to members declared dead, so that the
+two halves of a partition that healed meet again: then the smaller cluster's
+members join the larger one as new lives (see ``foreign`` in ``_control``).
 
 Every field of every control message is checked before use; a bad one is
 counted and logged once per peer and reason, and changes nothing. State
@@ -24,7 +26,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from gossip import wire
-from gossip.membership import Membership
+from gossip.membership import Membership, cluster_after, stronger
 from gossip.message import Message
 
 __all__ = ["ControlPlane"]
@@ -34,6 +36,8 @@ log = logging.getLogger("gossip.control")
 NODE_KINDS = frozenset({"state", "state-request", "state-reply"})  # handled by the node thread
 MAX_CONFLICTS = 64  # peers we remember (and answer) for refusing to mix: each costs a connection
 MAX_LOGGED = 10_000  # (peer, reason) pairs logged once each
+MAX_PROBED = 64  # members declared dead that we keep saying hello to (the most recent)
+BACKOFF_MAX = 8.0  # seconds between hellos to a seed that does not answer or a member declared dead, at most
 
 
 def _str_list(x: dict, key: str, limit: int = 4096, min_len: int = 1) -> list[str] | None:
@@ -69,9 +73,14 @@ class ControlPlane:
     heartbeat : seconds between pings
     seeds : ``HOST:PORT`` ids to contact until they answer
     reconnect : ``reconnect(peer)`` when a member came back: open a fresh connection
-    excluded : ``excluded(round, by)`` when a training member announces that this
-        node, alive and training, leaves at ``round``: it was declared dead (silent
-        for longer than ``dead_after``, e.g. a paused process) and must join again
+    excluded : ``excluded(round, by, cluster, merge)`` when this node, alive and
+        training, must join ``cluster`` (the members ``by`` trains with) as a new
+        life. Either ``by`` announces that this node leaves at ``round``: it was
+        declared dead (silent for longer than ``dead_after``, e.g. a paused
+        process; ``merge`` False). Or ``by`` trains in another cluster that does
+        not count this node while this node's does not count ``by``, and that
+        cluster is the stronger (``merge`` True; ``round`` is ``by``'s round): two
+        halves of a partition that healed, or clusters started apart, meet
     clock : when given, read on every incoming message, so a message is timed when
         it is handled (otherwise ``now`` is the last tick's time)
     """
@@ -92,6 +101,10 @@ class ControlPlane:
         self.reconnect = reconnect
         self.excluded = excluded
         self.seeds = {s: [0.0, heartbeat] for s in seeds if s != node_id}  # id -> [next try, backoff]
+        self.probes: dict[str, list[float]] = {}  # member declared dead -> [next hello, backoff]
+        # training members whose lists drop us: who -> (its cluster, our leave round), since when
+        self.excluded_by: dict[str, tuple[set[str], int]] = {}
+        self.excluded_since = 0.0
         self.rejected: Counter[str] = Counter()
         self.conflicts: dict[str, str] = {}  # peer -> why we refuse it (fingerprint, version)
         self._logged: set[tuple[str, str]] = set()
@@ -227,11 +240,25 @@ class ControlPlane:
         lids = _str_list(x, "lids")
         lrounds = _int_list(x, "lrounds", len(lids)) if lids is not None else None
         reply = None
-        excluded_at = None
+        merge_into: set[str] | None = None
         with self.lock:
             before = self.m.version
             old = self.m.members.get(peer)
             restarted = old is not None and inc > old.incarnation  # a new life of a node we knew
+            # the peer's cluster (as it will be once its announced changes take effect)
+            theirs = None if base is None else cluster_after(base, jids or (), lids or ())
+            # another cluster: both train, and neither cluster counts the other node. The
+            # halves of a partition that healed meet so (each side announced the other's
+            # leaves), and so do clusters started apart (a seed that answered late). The
+            # stronger goes on; each member of the other joins it as a new life. Its lists
+            # describe another cluster: they change nothing here.
+            foreign = (theirs is not None and status == "training" and self.progress()[0] == "training"
+                       and bool(self.m.base) and self.id not in theirs and peer not in self.m.eventual())
+            if foreign and theirs is not None and stronger(theirs, self.m.eventual()):
+                # (its view may still count some of ours: we join its own members)
+                merge_into = theirs - self.m.eventual()
+            # while joining another cluster, only its members' lists count
+            lists = not foreign and (not self.m.target or peer in self.m.target)
             self.m.heard(peer, inc, now, status=status, round=msg.round, step=msg.progress, dc=dc,
                          fingerprint=msg.fingerprint)
             if mids is not None and mincs is not None:
@@ -240,7 +267,7 @@ class ControlPlane:
                     for mid, mdc in zip(mids, mdcs):
                         if mid in self.m.members and not self.m.members[mid].dc:
                             self.m.members[mid].dc = mdc
-            if base is not None and not self.m.base and status in ("training", "done"):
+            if lists and base is not None and not self.m.base and status in ("training", "done"):
                 # we learn how the running cluster started; if it started with an earlier
                 # life of ours (it lists another incarnation of us, or our leave), we are
                 # not one of its starters any more but a node that joins
@@ -248,24 +275,25 @@ class ControlPlane:
                 former = listed.get(self.id, self.incarnation) != self.incarnation or self.id in (lids or ())
                 self.m.start(b for b in base if not (former and b == self.id))
             # leaves before joins: a restarted member's old life leaves before its new one joins
-            if lids is not None and lrounds is not None:
+            if lists and lids is not None and lrounds is not None:
                 rejoining = set(jids or ())
                 for j, r in zip(lids, lrounds):
                     if j == self.id:
-                        # the cluster drops us while we train: it declared this life dead. A
-                        # leave not after our own first round is an earlier life's, long done.
-                        trains_with_us = peer in self.m.base or peer in self.m.joins
-                        if status != "waiting" and trains_with_us and self.progress()[0] == "training" \
-                                and r > self.m.joins.get(self.id, 0):
-                            excluded_at = r
+                        # a leave not after our own first round is an earlier life's, long done
+                        if status != "waiting" and self.progress()[0] == "training" and theirs is not None \
+                                and r > self.m.joins.get(self.id, 0) and len(self.excluded_by) < MAX_CONFLICTS:
+                            self.excluded_since = self.excluded_since if self.excluded_by else now
+                            self.excluded_by[peer] = (theirs, r)  # judged in tick()
                         continue
                     member = self.m.members.get(j)
                     # take another node's word for a death only if we have not heard from it
                     # lately ourselves (one false suspicion must not evict a live member), or
-                    # when the same list schedules its new life (a restart, not a suspicion)
-                    if member is None or now - member.last_seen > self.m.dead_after / 2 or j in rejoining:
+                    # when the same list schedules its new life (a restart, not a suspicion),
+                    # or when we join the sender's cluster (we take its lists as they are)
+                    if member is None or now - member.last_seen > self.m.dead_after / 2 or j in rejoining \
+                            or peer in self.m.target:
                         self.m.announce_leave(j, r)
-            if jids is not None and jrounds is not None:
+            if lists and jids is not None and jrounds is not None:
                 for j, r in zip(jids, jrounds):
                     self.m.announce_join(j, r)
             digest = x.get("digest")
@@ -279,20 +307,25 @@ class ControlPlane:
             my_status, my_round, _ = self.progress()
             if new_member:
                 self.last_change = now
+            if restarted and my_status == "training" and self.m.base and peer in self.m.eventual():
+                # a new life of a member we train with: its old life sends no more. It leaves
+                # at an announced round (its new life joins when it says hello to someone,
+                # maybe in another cluster, see foreign above)
+                self.m.announce_leave(peer, self.m.max_round() + self.m.leave_margin)
             if msg.kind == "hello":
                 active = (peer in self.m.base or peer in self.m.joins) and peer not in self.m.leaves
-                if my_status == "training" and self.m.base and (restarted or not active):
+                # (a hello from a training node that is not active here comes from another
+                # cluster: not a joiner; see foreign above)
+                if my_status == "training" and self.m.base and status == "waiting" and (restarted or not active):
                     # a node joins a running cluster (a new one, or a new life of a member):
                     # everyone adopts it from the same future round, after its old life left
-                    if restarted and active:
-                        self.m.announce_leave(peer, self.m.max_round() + self.m.leave_margin)
                     eff = max(max(my_round, self.m.max_round()) + self.m.join_margin, self.m.leaves.get(peer, 0))
                     self.m.announce_join(peer, eff)
                     log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
                     new_member = True
                 reply = "members"
-        if excluded_at is not None and self.excluded is not None:
-            self.excluded(excluded_at, peer)
+        if self.excluded is not None and merge_into is not None:
+            self.excluded(msg.round, peer, merge_into, True)
         with self.lock:
             renewed = self.m.take_renewed()
         for mid in renewed if self.reconnect is not None else ():
@@ -324,18 +357,55 @@ class ControlPlane:
                     log.warning("%s: peer %s does not answer; retrying in %.1f s", self.id, seed, state[1])
                 self.send(seed, self._members_message("hello"))
                 state[0] = now + state[1]
-                state[1] = min(state[1] * 2, 8.0)  # exponential backoff, capped
+                state[1] = min(state[1] * 2, BACKOFF_MAX)  # exponential backoff, capped
         dead: list[str] = []
         if now - self.last_ping >= self.heartbeat:
             self.last_ping = now
             with self.lock:
                 dead = self.m.expire(now)
                 digest = self.m.digest()
+                lost = [d for d in self.m.dead if d not in self.m.members][-MAX_PROBED:]
             if dead:
                 self.last_change = now
                 self.broadcast(self._members_message())  # the leave rounds, so all adopt them together
             self.broadcast(self._message("ping", digest=digest))
+            self._probe(now, lost)
+        if self.excluded_by and now - self.excluded_since >= 1.5 * self.m.dead_after:
+            self._judge_exclusion(now)
         return dead
+
+    def _judge_exclusion(self, now: float) -> None:
+        """Training members' lists dropped this node ``1.5 * dead_after`` ago: the
+        cluster declared it dead while it was alive (silent for too long, e.g. a
+        paused process). It joins again as a new life if that still holds now for
+        one of them: the member is alive, and every other member this node trains
+        with trains on in that member's cluster. Judged after a wait, not at once:
+        as a partition forms, one side's lists may reach the other for a moment;
+        by now this node has declared that side dead too, and the clusters meet
+        later as foreign ones (see ``foreign`` in _control)."""
+        evidence, self.excluded_by = self.excluded_by, {}
+        with self.lock:
+            ours = self.m.eventual() - {self.id}
+            alive = {k for k, m in self.m.members.items() if now - m.last_seen <= self.m.dead_after}
+        for by, (theirs, rnd) in sorted(evidence.items()):
+            if by in alive and by in ours and ours <= theirs:
+                if self.progress()[0] == "training" and self.excluded is not None:
+                    self.excluded(rnd, by, theirs, False)
+                return
+
+    def _probe(self, now: float, lost: list[str]) -> None:
+        """Say hello now and then (backing off) to members declared dead for their
+        silence. A crashed one never answers; one behind a partition that healed
+        answers, and the two clusters meet again (see ``foreign`` in _control)."""
+        probes = {}
+        for mid in lost:
+            state = self.probes.get(mid) or [now + self.m.dead_after, self.m.dead_after]
+            if now >= state[0]:
+                self.send(mid, self._members_message("hello"))
+                state[0] = now + state[1]
+                state[1] = min(state[1] * 2, BACKOFF_MAX)
+            probes[mid] = state
+        self.probes = probes
 
     def hello_all(self, peers: list[str]) -> None:
         for p in peers:

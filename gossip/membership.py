@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-__all__ = ["Member", "Membership", "parse_address", "endpoint", "node_file_name", "topology_for"]
+__all__ = ["Member", "Membership", "cluster_after", "stronger", "parse_address", "endpoint", "node_file_name",
+           "topology_for"]
 
 log = logging.getLogger("gossip.membership")
 
@@ -52,6 +53,34 @@ def parse_address(text: str, what: str = "address") -> str:
 def endpoint(node_id: str) -> str:
     """The ZeroMQ endpoint of a node id."""
     return f"tcp://{node_id}"
+
+
+def cluster_after(base: Iterable[str], joins: Iterable[str], leaves: Iterable[str]) -> set[str]:
+    """Who trains once every announced join and leave has taken effect: the
+    starters and joiners, less those announced to leave.
+
+    >>> sorted(cluster_after(["a", "b", "c"], ["d"], ["b"]))
+    ['a', 'c', 'd']
+    """
+    return (set(base) | set(joins)) - set(leaves)
+
+
+def stronger(a: set[str], b: set[str]) -> bool:
+    """Whether cluster ``a`` goes on and ``b`` joins it when two clusters meet
+    (the halves of a partition that healed, or clusters started apart): the
+    larger one, and between equal sizes the one that holds the smallest id the
+    two do not share. Exactly one of ``stronger(a, b)`` and ``stronger(b, a)``
+    holds for different clusters, so both sides reach the same verdict.
+
+    >>> stronger({"a", "b"}, {"c"}), stronger({"c"}, {"a", "b"})
+    (True, False)
+    >>> stronger({"b"}, {"c"}), stronger({"c"}, {"b"})
+    (True, False)
+    """
+    if len(a) != len(b):
+        return len(a) > len(b)
+    differ = a ^ b
+    return bool(differ) and min(differ) in a
 
 
 @dataclass
@@ -100,6 +129,9 @@ class Membership:
     # whether this node trains (the peer sets it when it starts; a new life clears it).
     # Only a training node's death verdicts become leave rounds, see remove().
     training: bool = False
+    # the members of the cluster this node joins as a new life (see new_life): until it
+    # trains there, only their lists are taken
+    target: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.members[self.self_id] = Member(self.self_id, self.incarnation, 0.0, "waiting", dc=self.dc,
@@ -126,8 +158,15 @@ class Membership:
     def any_training(self) -> bool:
         return any(m.status in ("training", "done") for k, m in self.members.items() if k != self.self_id)
 
+    def eventual(self) -> set[str]:
+        """This node's cluster once every announced join and leave has taken effect."""
+        return cluster_after(self.base, self.joins, self.leaves)
+
     def max_round(self) -> int:
-        return max((m.round for m in self.members.values()), default=0)
+        """The furthest round a member of this node's cluster reports (a member of
+        another cluster, met after a partition, counts rounds of its own)."""
+        ours = self.eventual() | {self.self_id}
+        return max((m.round for k, m in self.members.items() if k in ours), default=0)
 
     # -- updates ----------------------------------------------------------------------------
     def heard(self, sender: str, incarnation: int | None, now: float, *, status: str | None = None,
@@ -214,23 +253,26 @@ class Membership:
         # announces nothing: its silence is often its own, and the member it would
         # drop ignores the word of a node that is not training, so the two views
         # would never meet again. It learns the running members' leaves from them.
-        if self.training:
-            self.announce_leave(mid, self.max_round() + self.leave_margin)
+        if self.training:  # (after a join still pending: see announce_leave)
+            self.announce_leave(mid, max(self.max_round() + self.leave_margin, self.joins.get(mid, -1) + 1))
         self.version += 1
         log.warning("member %s removed: %s", mid, reason)
         return True
 
-    def new_life(self, incarnation: int) -> None:
+    def new_life(self, incarnation: int, target: Iterable[str] = ()) -> None:
         """This node starts a new life under ``incarnation``, as a restarted process
-        would: it is no longer one of the members the cluster started with, and
-        joins again at a round the running members announce."""
+        would: it still knows who is alive, but no longer who trains in which
+        round. It joins the cluster ``target`` (the members of the cluster that
+        dropped it, or of a stronger one it met) at a round they announce, and
+        takes those lists from them only (from anyone if ``target`` is empty):
+        its own may describe a cluster it is no longer part of (a partition's
+        other half, the leaves it announced there)."""
         self.incarnation = incarnation
         me = self.members[self.self_id]
         me.incarnation, me.status = incarnation, "waiting"
         self.training = False
-        self.base.discard(self.self_id)
-        self.joins.pop(self.self_id, None)
-        self.leaves.pop(self.self_id, None)
+        self.base, self.joins, self.leaves = set(), {}, {}
+        self.target = set(target) - {self.self_id}
         self.version += 1
 
     def take_renewed(self) -> list[str]:
@@ -272,12 +314,19 @@ class Membership:
         return True
 
     def announce_leave(self, mid: str, round: int) -> bool:
-        """``mid`` no longer takes part from ``round`` on; the earliest announcement wins."""
+        """``mid`` no longer takes part from ``round`` on; the earliest announcement wins.
+
+        A leave at or before the round a joiner is scheduled for is its previous
+        life's (a member that saw the restart before it heard of the join): the
+        join stands. A death verdict on a joiner is announced after its join.
+        """
         old = self.leaves.get(mid)
         if mid == self.self_id or (old is not None and old <= round):
             return False
         if mid not in self.base and mid not in self.joins:
             return False  # it never trained with us
+        if mid not in self.base and self.joins[mid] >= round:
+            return False
         self.leaves[mid] = round
         self.version += 1
         return True

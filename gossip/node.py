@@ -398,12 +398,13 @@ class Node:
             self.held_sends += 1
             log.debug("node %s: a send was still in flight at mixing time; parameters moved", self.id)
 
-    def expected(self) -> list[Any]:
-        """Member ids whose message the node waits for now (empty when not waiting)."""
+    def awaited(self) -> list[Any]:
+        """Member ids whose message the node waits for and has not got yet."""
         if self.waiting is None:
             return []
         ch, rnd = self.waiting
-        return [self.members[j] for j in ch.rule.expected_senders(ch.topology, self.index, rnd)]
+        return [self.members[j] for j in ch.rule.expected_senders(ch.topology, self.index, rnd)
+                if not ch.inbox.has_round(j, rnd)]
 
     def local_step(self) -> float:
         """One optimizer step on the next local minibatch; returns the loss.

@@ -245,8 +245,11 @@ class Peer:
         self.interrupted = False
         self.joined = False
         self.rejoins = 0  # new lives started after the cluster declared this node dead while it was alive
+        self.merges = 0  # of which: joining a stronger cluster met after a partition
         self._excluded: int | None = None  # the leave round the cluster announced for this (live) node
         self._rejoin_via: str | None = None  # the member that announced it (asked first to take us back)
+        self._rejoin_cluster: set[str] = set()  # the members of the cluster to join
+        self._merging = False  # it is another cluster (met after a partition), not ours
         self.state_from: str | None = None
         self.resumed_from: str | None = None
         self.rank: int | None = None
@@ -269,7 +272,8 @@ class Peer:
                                     reconnect=self._reconnect, excluded=self._on_excluded, clock=self.clock)
         listen = "tcp://" + parse_address(config.listen, "--listen")
         links = emulated_links(config.emulate)
-        self.shaper = None if links is None else SimNetwork(links, self._link_class, seed=config.seed)
+        self.shaper = None if links is None else SimNetwork(links, self._link_class, seed=config.seed,
+                                                             origin=self.t0)
         # CurveZMQ: a bad key directory is a ValueError naming what is wrong (gossip-node exits 2)
         self.security = load_curve(config.curve_keys, self.id) if config.curve_keys else None
         self.transport = ZmqTransport(self.id, listen, on_frames=self.control.on_frames, on_tick=self._tick,
@@ -288,13 +292,22 @@ class Peer:
         if peer != self.id:
             self.transport.forget(peer)
 
-    def _on_excluded(self, rnd: int, by: str) -> None:
+    def _on_excluded(self, rnd: int, by: str, cluster: set[str], merge: bool) -> None:
         # I/O thread: the training thread sees the flag after its current step
         if self._excluded is None and not self.stop.is_set() and self.status == "training":
-            log.warning("%s: %s announces that this node leaves at round %d: the cluster declared it dead "
-                        "while it was alive (silent for more than --dead-after %g s, e.g. a paused process); "
-                        "joining again as a new life", self.id, by, rnd, self.cfg.dead_after)
-            self._excluded, self._rejoin_via = rnd, by
+            if merge:
+                with self.lock:
+                    ours = len(self.membership.eventual())
+                log.warning("%s: %s trains in another cluster, of %d members (this node's has %d): the halves "
+                            "of a partition that healed, or clusters started apart, met. The larger goes on "
+                            "(equal sizes: the one with the smallest id); this node joins it as a new life, "
+                            "with a member's state", self.id, by, len(cluster), ours)
+            else:
+                log.warning("%s: %s announces that this node leaves at round %d: the cluster declared it dead "
+                            "while it was alive (silent for more than --dead-after %g s, e.g. a paused "
+                            "process); joining again as a new life", self.id, by, rnd, self.cfg.dead_after)
+            self._excluded, self._rejoin_via, self._merging = rnd, by, merge
+            self._rejoin_cluster = set(cluster)
 
     def _tick(self, now: float) -> None:
         dead = self.control.tick(now)
@@ -432,6 +445,7 @@ class Peer:
         self.status = "training"
         with self.lock:
             self.membership.training = True
+            self.membership.target.clear()
         if mode == "fresh":
             # tell everyone whom we started with: a member that has not noticed the
             # settle yet then starts as one of us instead of asking to join
@@ -443,14 +457,16 @@ class Peer:
                  self.node.round, self.node.step)
 
     def _rejoin(self) -> None:
-        """Start a new life and join the running cluster again, as a restarted
-        process would: a new incarnation, a join round the members announce, and
-        a neighbour's state (this node's own drifted while it was out)."""
+        """Start a new life and join the running cluster again (or the stronger
+        cluster met after a partition), as a restarted process would: a new
+        incarnation, a join round the members announce, and a neighbour's state
+        (this node's own drifted while it was out)."""
         self._excluded = None
         self.rejoins += 1
+        self.merges += self._merging
         with self.lock:
             self.incarnation = self.control.incarnation = max(time.time_ns() // 1000, self.incarnation + 1)
-            self.membership.new_life(self.incarnation)
+            self.membership.new_life(self.incarnation, target=self._rejoin_cluster)
             self.status = "waiting"
             self.node = None
             self._state_replies.clear()
@@ -465,6 +481,8 @@ class Peer:
             self.lock.release()
             try:
                 others = self.membership.others()
+                if self.membership.target:  # joining another cluster: ask only its members
+                    others = [o for o in others if o in self.membership.target]
                 if self._rejoin_via is not None:  # the member that dropped us knows the running cluster
                     others = [self._rejoin_via, *(o for o in others if o != self._rejoin_via)]
                 self.control.hello_all(others[:3])
@@ -478,8 +496,8 @@ class Peer:
         node, cfg = self.node, self.cfg
         assert node is not None
         while not self.stop.is_set():
-            with self.lock:
-                rounds = [m.round for k, m in self.membership.members.items() if k != self.id]
+            with self.lock:  # the members we train with (after a partition, others may count other rounds)
+                rounds = [m.round for k, m in self.membership.members.items() if k != self.id and k in node.members]
             if not rounds or max(rounds) >= start_round - 1:
                 break
             self._service(cfg.heartbeat / 2)
@@ -656,22 +674,23 @@ class Peer:
             self.transport.send(dst, frames)
 
     def _wait(self, timeout: float) -> None:
-        """Poll for the round's messages until ready, timeout, or an awaited neighbour dies."""
+        """Poll for the round's messages until ready, timeout, or every neighbour still
+        awaited was declared dead."""
         node = self.node
         assert node is not None
         deadline = self.clock() + timeout
-        expected = set(node.expected())
         while not node.ready():
             remaining = deadline - self.clock()
             if remaining <= 0:
-                log.info("%s: round %d timed out waiting for neighbours", self.id, node.round)
+                log.info("%s: round %d timed out waiting for neighbours (%s)", self.id, node.round,
+                         ", ".join(map(str, node.awaited())))
                 return
             if self.stop.is_set() or self._excluded is not None:
                 return
             with self.lock:
                 alive = self.membership.members
-                if any(e not in alive for e in expected):
-                    return  # a neighbour we wait for was declared dead: mix without it
+                if all(e not in alive for e in node.awaited()):
+                    return  # mix without the dead; a live neighbour's message is worth its wait
             self._service(min(remaining, 0.05))
 
     def _service(self, block: float) -> None:
@@ -806,6 +825,7 @@ class Peer:
                    # ZeroMQ, which closes the sender's connection: it shows up as "disconnected"
                    connections=dict(sorted(self.transport.events.items())),
                    max_message_bytes=self.transport.max_message_size, joined=self.joined, rejoins=self.rejoins,
+                   merges=self.merges,
                    state_from=self.state_from, resumed_from=self.resumed_from, interrupted=self.interrupted,
                    device=str(self.device), wall_time_s=self.clock() - self.t0, train_time_s=self.train_seconds,
                    max_step_gap_s=self.max_step_gap, recoveries=node.recoveries if node is not None else 0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -108,6 +109,50 @@ def test_a_paused_node_declared_dead_joins_again_by_itself(tmp_path):
     # (the distance counts only them, not members it mixed with before the change)
     distances = [x["neighbor_distance"] for x in (s, *others)]
     assert max(distances) < 0.01, distances
+
+
+@pytest.mark.slow
+def test_the_halves_of_a_partition_become_one_cluster_again_when_it_heals(tmp_path):
+    """--emulate inter:down=... cuts every message between two datacenters for a
+    while. Each side declares the other dead and trains on. When the link is back,
+    the two clusters meet: the smaller (west, 2 nodes) joins the larger (east, 3)
+    as new lives with a member's state, and all five end in one cluster."""
+    n, dcs = 5, ["east", "east", "east", "west", "west"]
+    ports = [free_port() for _ in range(n)]
+    cut = ["--emulate", "inter:down=10s-20s", "--join-margin", "10", "--timeout", "2", "--eval-every", "50"]
+    logs = [tmp_path / f"n{i}.jsonl" for i in range(n)]
+    with Cluster(tmp_path) as c:
+        nodes = [c.start(f"n{i}", ring(ports, i, 10**6, "--dc", dcs[i], "--log", str(logs[i]), *cut), port=ports[i])
+                 for i in range(n)]
+        east, west = nodes[:3], nodes[3:]
+        for x in nodes:
+            x.wait_for_log("training as", 60)
+        for x in east:  # the cut: each side drops the other
+            x.wait_for_log("removed: silent", 60)
+        for x in west:
+            x.wait_for_log("removed: silent", 60)
+        for x in west:  # the link is back: west joins east
+            x.wait_for_log("took the state of", 90)
+        joined = max(int(r) for x in west for r in re.findall(r"took the state of .* joining at round (\d+)", x.log()))
+        for metrics in logs:  # the five train together
+            wait_for_step(metrics, joined + 500, 120)
+        for x in nodes:
+            x.proc.send_signal(signal.SIGTERM)
+        assert c.wait_all(60) == [0] * n, [x.log()[-2000:] for x in nodes]
+        summaries = [x.summary() for x in nodes]
+        text = [x.log() for x in nodes]
+    assert any("trains in another cluster" in log for log in text[3:]), text[3][-3000:]
+    assert not any("trains in another cluster" in log for log in text[:3])
+    for s in summaries[:3]:  # east went on: no new life
+        assert s["rejoins"] == 0 and s["merges"] == 0, s
+    for s in summaries[3:]:  # west came back as new lives, with a member's state
+        assert s["rejoins"] == 1 and s["joined"] and s["state_from"] is not None, s
+    assert sum(s["merges"] for s in summaries[3:]) >= 1, summaries[3:]
+    assert all(s["members"] == n for s in summaries), [s["members"] for s in summaries]
+    # they mix with each other again: close to their neighbours (before the cut, this
+    # ring's distances ran 0.01-0.04 in its first 300 steps, and fall as it converges)
+    distances = [s["neighbor_distance"] for s in summaries]
+    assert max(distances) < 0.02, distances
 
 
 USER_LOOP = textwrap.dedent("""

@@ -19,6 +19,7 @@ class Plane:
         self.sent: list[tuple[str, Message]] = []
         self.reconnected: list[str] = []
         self.excluded: list[tuple[int, str]] = []
+        self.merges: list[tuple[str, set[str]]] = []  # (by, the cluster to join)
         self.status, self.round = status, rnd
         self.m = Membership(me, 1, FP, dead_after=2.0)
         self.m.training = status == "training"
@@ -26,7 +27,13 @@ class Plane:
         self.cp = ControlPlane(me, 1, FP, "", self.m, threading.RLock(), lambda d, m: self.sent.append((d, m)),
                                lambda m: None, lambda: (self.status, self.round, 0), heartbeat=0.5, seeds=seeds,
                                reconnect=self.reconnected.append,
-                               excluded=lambda r, by: self.excluded.append((r, by)))
+                               excluded=self._excluded)
+
+    def _excluded(self, rnd: int, by: str, cluster: set[str], merge: bool) -> None:
+        if merge:
+            self.merges.append((by, cluster))
+        else:
+            self.excluded.append((rnd, by))
 
     def receive(self, kind: str, sender: str, inc: int = 1, *, status: str = "waiting", rnd: int = 0,
                 **extra) -> None:
@@ -35,6 +42,16 @@ class Plane:
         x = {"inc": inc, "status": status, "dc": "", **extra}
         frames = wire.encode(Message(kind, sender, rnd, 0, 0, None, None, x, FP))
         self.cp.on_frames(sender.encode(), [bytes(memoryview(f)) for f in frames])
+
+
+def _keep_alive(p: Plane, alive: list[str], start: float, end: float) -> None:
+    """Heartbeats of ``p`` from ``start`` to ``end`` (0.5 s apart), hearing ``alive`` at each."""
+    t = start
+    while t <= end:
+        for a in alive:
+            p.m.heard(a, p.m.members[a].incarnation, t)
+        p.cp.tick(t)
+        t += 0.5
 
 
 def test_a_fresh_start_waits_for_every_seed_of_every_member():
@@ -95,14 +112,18 @@ def test_a_live_node_learns_the_cluster_dropped_it_and_joins_as_a_new_life():
     me.receive("members", a, status="waiting", rnd=60, lids=[b], lrounds=[45])
     assert me.excluded == []
     me.receive("members", a, status="training", rnd=60, mids=[a], mincs=[1], base=[a, b], lids=[b], lrounds=[45])
+    _keep_alive(me, [a], 0.0, 2.5)
+    assert me.excluded == []  # judged 1.5 * dead_after later (a partition that forms looks alike at first)
+    _keep_alive(me, [a], 3.0, 3.0)
     assert me.excluded == [(45, a)]
     assert b in me.m.base and b not in me.m.leaves  # our own table never drops ourselves
 
     # the new life: like a restarted process, it is a joiner the members schedule
     me.status = "waiting"
     me.cp.incarnation = 2
-    me.m.new_life(2)
-    assert me.m.base == {a} and me.m.members[b].incarnation == 2
+    me.m.new_life(2, target={a})
+    # it knows who is alive, not who trains when: it learns that from the cluster it joins
+    assert me.m.base == set() and me.m.leaves == {} and me.m.target == {a} and me.m.members[b].incarnation == 2
     other = Plane(a, status="training", rnd=60)
     other.m.heard(b, 1, 0.0, status="training", round=40)
     other.m.start([a, b])
@@ -117,7 +138,8 @@ def test_a_live_node_learns_the_cluster_dropped_it_and_joins_as_a_new_life():
 
     # trained again from its join round: a leave older than that is its previous life's
     me.status = "training"
-    me.receive("members", a, status="training", rnd=join + 1, lids=[b], lrounds=[45])
+    me.receive("members", a, status="training", rnd=join + 1, base=[a], jids=[b], jrounds=[join], lids=[b],
+               lrounds=[45])
     assert me.excluded == [(45, a)]
 
 
@@ -149,9 +171,10 @@ def test_a_node_waiting_for_its_join_does_not_drop_a_member_it_cannot_hear():
         me.m.heard(other, 1, 0.0, status="training", round=40)
     me.m.start([a, b, c])
     me.status = "waiting"
-    me.m.new_life(2)  # declared dead while paused: a new life, which joins at an announced round
+    me.m.new_life(2, target={a, c})  # declared dead while paused: a new life, which joins at an announced round
     assert not me.m.training
-    me.m.announce_join(b, 60)
+    me.receive("members", c, status="training", rnd=40, mids=[a, b, c], mincs=[1, 2, 1], base=[a, c], jids=[b],
+               jrounds=[60])
     me.m.members[c].last_seen = 3.0
     assert me.cp.tick(3.0) == [a]  # a was silent for more than dead_after: removed from the table
     assert a not in me.m.members and a not in me.m.leaves  # but no leave round: we do not train
@@ -163,3 +186,183 @@ def test_a_node_waiting_for_its_join_does_not_drop_a_member_it_cannot_hear():
     other.m.heard(a, 1, 0.0, status="training", round=40)
     other.m.start([a, c])
     assert other.cp.tick(3.0) == [a] and a in other.m.leaves
+
+
+def _split(me: str, starters: list[str], other_side: list[str], rnd: int) -> Plane:
+    """Node ``me`` of a cluster started with ``starters``, training at ``rnd``, that
+    declared ``other_side`` dead (a partition): their leaves are announced."""
+    p = Plane(me, status="training", rnd=rnd)
+    for x in starters:
+        if x != me:
+            p.m.heard(x, 1, 0.0, status="training", round=rnd)
+    p.m.start(starters)
+    for x in other_side:
+        p.m.remove(x, "silent")
+    return p
+
+
+def _lists(p: Plane) -> dict:
+    """The member lists ``p`` sends (the extra fields of its members message)."""
+    x = p.cp._members_message().extra
+    return {k: x[k] for k in ("mids", "mincs", "base", "jids", "jrounds", "lids", "lrounds") if k in x}
+
+
+def test_the_halves_of_a_healed_partition_meet_and_the_smaller_joins_the_larger():
+    a1, a2, a3, b1, b2 = (f"10.0.0.{i}:1" for i in range(1, 6))
+    everyone = [a1, a2, a3, b1, b2]
+    big = _split(a1, everyone, [b1, b2], 60)
+    small = _split(b1, everyone, [a1, a2, a3], 80)
+    assert big.m.eventual() == {a1, a2, a3} and small.m.eventual() == {b1, b2}
+    big_before = (set(big.m.base), dict(big.m.joins), dict(big.m.leaves))
+    small_before = (set(small.m.base), dict(small.m.joins), dict(small.m.leaves))
+
+    # the link is back: a1's hello (a probe) reaches b1, b1's answer reaches a1
+    small.receive("hello", a1, status="training", rnd=60, **_lists(big))
+    big.receive("members", b1, status="training", rnd=80, **_lists(small))
+    # b1's cluster is the smaller: it joins a1's; a1's goes on and schedules nothing
+    assert small.merges == [(a1, {a1, a2, a3})] and small.excluded == []
+    assert big.merges == [] and big.excluded == []
+    # neither took the other cluster's lists: they describe another cluster
+    assert (set(big.m.base), dict(big.m.joins), dict(big.m.leaves)) == big_before
+    assert (set(small.m.base), dict(small.m.joins), dict(small.m.leaves)) == small_before
+    # a training node of another cluster that says hello is not a joiner
+    big.receive("hello", b2, status="training", rnd=80, **_lists(small))
+    assert b2 not in big.m.joins
+    # the other cluster's rounds (80) do not move this cluster's leave and join rounds
+    assert big.m.max_round() == 60
+
+    # b1's new life joins a1's cluster: it takes lists only from that cluster's members
+    small.status = "waiting"
+    small.cp.incarnation = 2
+    small.m.new_life(2, target={a1, a2, a3})
+    assert small.m.base == set() and small.m.leaves == {} and small.m.target == {a1, a2, a3}
+    b2_side = _split(b2, everyone, [a1, a2, a3], 81)
+    small.receive("members", b2, status="training", rnd=81, **_lists(b2_side))
+    assert small.m.base == set()  # b2 still trains in the smaller cluster: not its lists
+    big.receive("hello", b1, inc=2, status="waiting", rnd=0, **_lists(small))
+    join = big.m.joins[b1]
+    assert join >= 60 + big.m.join_margin and big.m.at_round(join) == [a1, a2, a3, b1]
+    small.receive("members", a1, status="training", rnd=60, **_lists(big))
+    assert small.m.joins[b1] == join and small.m.at_round(join) == [a1, a2, a3, b1]
+
+
+def test_clusters_of_equal_size_agree_which_one_goes_on():
+    a, b, c, d = (f"10.0.0.{i}:1" for i in range(1, 5))
+    left, right = _split(a, [a, b, c, d], [c, d], 10), _split(d, [a, b, c, d], [a, b], 10)
+    left.receive("members", d, status="training", rnd=10, **_lists(right))
+    right.receive("members", a, status="training", rnd=10, **_lists(left))
+    # two members each: the one holding the smallest id (a) goes on, the other joins it
+    assert left.merges == [] and right.merges == [(a, {a, b})]
+
+
+def test_a_node_that_trained_alone_joins_the_cluster_its_seed_started_without_it():
+    """A seed that answers only after --join-timeout: the node trained alone meanwhile."""
+    alone, s1, s2 = "10.0.0.9:1", "10.0.0.1:1", "10.0.0.2:1"
+    me = Plane(alone, status="training", rnd=30)
+    me.m.start([alone])
+    seed = Plane(s1, status="training", rnd=50)
+    seed.m.heard(s2, 1, 0.0, status="training", round=50)
+    seed.m.start([s1, s2])
+    seed.receive("hello", alone, status="training", rnd=30, **_lists(me))
+    me.receive("members", s1, status="training", rnd=50, **_lists(seed))
+    assert me.merges == [(s1, {s1, s2})] and seed.merges == [] and alone not in seed.m.joins
+
+
+def test_only_a_training_node_of_the_other_cluster_counts():
+    a, b = "10.0.0.1:1", "10.0.0.2:1"
+    me = _split(b, [a, b], [a], 40)
+    # a waits (a new life of its own, or a finished run): not a cluster that trains
+    me.receive("members", a, status="waiting", rnd=60, mids=[a], mincs=[1], base=[a], lids=[b], lrounds=[45])
+    me.receive("members", a, status="done", rnd=60, mids=[a], mincs=[1], base=[a], lids=[b], lrounds=[45])
+    assert me.merges == [] and me.excluded == []
+    me.status = "done"  # nor does a node that finished
+    me.receive("members", a, status="training", rnd=60, mids=[a], mincs=[1], base=[a, b], lids=[b], lrounds=[45])
+    assert me.merges == []
+    me.status = "training"
+    me.receive("members", a, status="training", rnd=60, mids=[a], mincs=[1], base=[a, b], lids=[b], lrounds=[45])
+    assert me.merges == [(a, {a})]  # {a} against {b}: a holds the smaller id
+
+
+def test_members_declared_dead_are_asked_now_and_then_whether_they_are_back():
+    a, b = "10.0.0.1:1", "10.0.0.2:1"
+    me = Plane(a, status="training")
+    me.m.heard(b, 1, 0.0, status="training")
+    me.m.start([a, b])
+    hellos = []
+    for i in range(0, 81):  # 40 s of heartbeats
+        t = i * 0.5
+        before = len(me.sent)
+        me.cp.tick(t)
+        hellos += [t for d, m in me.sent[before:] if d == b and m.kind == "hello"]
+    # declared dead at 2.5 s; hellos after dead_after (2 s), backing off to 8 s apart
+    assert hellos == [4.5, 6.5, 10.5, 18.5, 26.5, 34.5]
+    me.receive("ping", b, status="training")  # it answered: no more hellos
+    before = len(me.sent)
+    for t in (40.5, 41.0, 41.5, 42.0, 42.5, 43.0):
+        me.m.heard(b, 1, t)
+        me.cp.tick(t)
+    assert me.cp.probes == {} and [m.kind for d, m in me.sent[before:] if d == b] == ["ping"] * 6
+
+
+def test_a_restart_seen_before_its_join_is_heard_of_does_not_cancel_the_join():
+    """X restarts and says hello to a, which schedules X's old life out and its new
+    one in. b sees X's new life (a ping) before a's news: b announces the old life's
+    leave. That leave, reaching a after the join, must not cancel the join."""
+    a, b, x = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    pa, pb = Plane(a, status="training", rnd=50), Plane(b, status="training", rnd=50)
+    for p, other in ((pa, b), (pb, a)):
+        p.m.heard(other, 1, 0.0, status="training", round=50)
+        p.m.heard(x, 1, 0.0, status="training", round=50)
+        p.m.start([a, b, x])
+    pa.receive("hello", x, inc=2, status="waiting")
+    join = pa.m.joins[x]
+    pb.receive("ping", x, inc=2, status="waiting")
+    assert pb.m.leaves[x] == 55  # b: the old life leaves
+    pa.receive("members", b, status="training", rnd=50, **_lists(pb))
+    assert pa.m.joins[x] == join and pa.m.at_round(join) == [a, b, x]  # the join stands
+    pb.receive("members", a, status="training", rnd=50, **_lists(pa))
+    for r in (52, join - 1, join):  # and both agree who trains in every round
+        assert pa.m.at_round(r) == pb.m.at_round(r) == ([a, b, x] if r == join else [a, b])
+
+
+def test_a_joiner_declared_dead_before_its_join_round_leaves_after_it():
+    a, x = "10.0.0.1:1", "10.0.0.3:1"
+    me = Plane(a, status="training", rnd=50)
+    me.m.start([a])
+    me.m.heard(x, 1, 0.0, status="waiting")
+    me.m.announce_join(x, 70)
+    me.m.remove(x, "silent")
+    assert me.m.leaves[x] == 71 and me.m.at_round(70) == [a, x] and me.m.at_round(71) == [a]
+
+
+def test_one_side_of_a_partition_that_is_forming_does_not_drop_a_node_of_the_other():
+    """The cut reaches each side at a slightly different moment: for a moment, a node
+    of the small side still reaches a node of the large side, and its lists drop the
+    large side's nodes. That is not the large cluster's verdict: the node stays."""
+    a1, a2, a3, b1, b2 = (f"10.0.0.{i}:1" for i in range(1, 6))
+    everyone = [a1, a2, a3, b1, b2]
+    small = _split(b1, everyone, [a1, a2], 40)  # b1 already dropped a1 and a2, not yet a3
+    me = _split(a1, everyone, [], 40)  # a1 has dropped nobody yet
+    me.receive("members", b1, status="training", rnd=40, **_lists(small))
+    _keep_alive(me, everyone[1:], 0.0, 5.0)
+    assert me.excluded == [] and me.merges == []
+    # b1 still is alive and trains with us, by the time the verdict is judged: not enough
+    me.receive("members", b1, status="training", rnd=40, **_lists(small))
+    _keep_alive(me, everyone[1:], 5.5, 10.0)
+    assert me.excluded == [] and me.merges == []
+    # the verdict of the whole cluster (every other member trains on without us) counts
+    rest = _split(a2, everyone, [a1], 40)
+    me.receive("members", a2, status="training", rnd=40, **_lists(rest))
+    _keep_alive(me, everyone[1:], 10.5, 14.0)
+    assert me.excluded == [(45, a2)]
+
+
+def test_a_list_that_drops_us_from_a_member_that_then_falls_silent_is_a_partition_not_a_verdict():
+    a1, a2, b1, b2 = (f"10.0.0.{i}:1" for i in range(1, 5))
+    everyone = [a1, a2, b1, b2]
+    other_side = _split(a1, everyone, [b1], 40)  # a1 dropped b1 first; b2 it still counts
+    me = _split(b1, everyone, [], 40)
+    me.receive("members", a1, status="training", rnd=40, **_lists(other_side))
+    assert a1 in me.m.eventual() and me.m.eventual() - {b1} <= other_side.m.eventual()
+    _keep_alive(me, [b2], 0.0, 3.0)  # then the cut reaches this direction too: a1 and a2 fall silent
+    assert me.excluded == [] and a1 not in me.m.members

@@ -180,6 +180,12 @@ def test_parse_specs_and_errors():
         parse_link("latency=-1ms")
     with pytest.raises(ValueError, match="valid keys"):
         parse_link("speed=1")
+    assert parse_link("down=10-30s").down == (10.0, 30.0) == parse_link("down=10s-30s").down
+    assert parse_link("down=500ms-2s").down == (0.5, 2.0)
+    with pytest.raises(ValueError, match="START-END"):
+        parse_link("down=10s")
+    with pytest.raises(ValueError, match="START < END"):
+        parse_link("down=30-10")
     assert parse_compute("lognormal:0.02,0.1").mean == pytest.approx(0.02)
     with pytest.raises(ValueError, match="compute"):
         parse_compute("gaussian:1")
@@ -209,3 +215,13 @@ def test_synchronous_round_times_out_at_the_configured_deadline():
     r = sim.run().result()
     assert r.summary["sim_time_s"] == pytest.approx(4 * (0.01 + 0.5), rel=1e-6)
     assert r.summary["missing_neighbors"] == 4 * 2 + 4 * 2  # 0 misses both peers; 1 and 2 each miss 0
+
+
+def test_a_link_class_that_is_down_loses_every_message_in_its_window():
+    classes = {(0, 1): "inter", (0, 2): "intra"}
+    net = SimNetwork({"intra": LinkModel(latency=0.0), "inter": LinkModel(latency=0.0, down=(1.0, 2.0))},
+                     lambda u, v: classes[(u, v)], origin=100.0)  # windows count from the node's start
+    sent = {t: net.transmit(0, 1, 10, 100.0 + t, droppable=False) for t in (0.5, 1.0, 1.5, 1.999, 2.0)}
+    assert [t for t, arrival in sent.items() if arrival is None] == [1.0, 1.5, 1.999]  # control too
+    assert net.transmit(0, 2, 10, 101.5) is not None  # the other class is up
+    assert net.lost == 3

@@ -34,6 +34,8 @@ class LinkModel:
     loss : probability that a message is lost
     drop : if > 0, the ``drop``-th message on each link of this class is lost
         (a deterministic fault for tests: "lose exactly one message here")
+    down : ``(start, end)`` seconds: every message on links of this class is lost
+        from ``start`` to ``end`` (an outage: ``inter`` down splits datacenters)
     """
 
     latency: float = 100e-6
@@ -41,6 +43,7 @@ class LinkModel:
     jitter: float = 0.0
     loss: float = 0.0
     drop: int = 0
+    down: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if not (self.latency >= 0 and math.isfinite(self.latency)):
@@ -53,6 +56,9 @@ class LinkModel:
             raise ValueError(f"loss must be a probability in [0, 1), got {self.loss!r}")
         if isinstance(self.drop, bool) or not isinstance(self.drop, int) or self.drop < 0:
             raise ValueError(f"drop must be a non-negative integer (the N-th message), got {self.drop!r}")
+        if self.down is not None and not (len(self.down) == 2 and 0 <= self.down[0] < self.down[1]
+                                          and math.isfinite(self.down[1])):
+            raise ValueError(f"down must be a window START-END in seconds with 0 <= START < END, got {self.down!r}")
 
     def transfer_time(self, nbytes: int) -> float:
         """Seconds for ``nbytes`` to leave the sender on an idle link."""
@@ -80,10 +86,14 @@ def _parse_quantity(key: str, text: str, units: dict[str, float]) -> float:
 
 
 def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel:
-    """Parse ``latency=50ms,bandwidth=100Mbit,jitter=1ms,loss=0.01,drop=N`` (or ``lan`` / ``wan``).
+    """Parse ``latency=50ms,bandwidth=100Mbit,jitter=1ms,loss=0.01,drop=N,down=10s-30s``
+    (or ``lan`` / ``wan``).
 
     Unspecified fields keep ``base``'s values. Times take s/ms/us, rates
     bit/kbit/Mbit/Gbit (per second).
+
+    >>> parse_link("latency=50ms,down=10-30s").down
+    (10.0, 30.0)
     """
     if spec is None:
         return base
@@ -94,8 +104,8 @@ def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel
         return LAN
     if s == "wan":
         return WAN
-    fields: dict[str, float | int] = {"latency": base.latency, "bandwidth": base.bandwidth, "jitter": base.jitter,
-                                      "loss": base.loss, "drop": base.drop}
+    fields: dict[str, Any] = {"latency": base.latency, "bandwidth": base.bandwidth, "jitter": base.jitter,
+                              "loss": base.loss, "drop": base.drop, "down": base.down}
     for item in s.split(","):
         key, eq, value = item.partition("=")
         key = key.strip()
@@ -105,6 +115,14 @@ def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel
             fields[key] = _parse_quantity(key, value, _UNITS_TIME)
         elif key == "bandwidth":
             fields[key] = _parse_quantity(key, value, _UNITS_RATE)
+        elif key == "down":
+            start, dash, end = value.strip().partition("-")
+            if not dash:
+                raise ValueError(f"link spec {spec!r}: down must be START-END, e.g. down=10s-30s")
+            m = re.fullmatch(r"\s*[0-9.e+]+\s*([a-z]*)\s*", end)
+            if m and re.fullmatch(r"\s*[0-9.e+]+\s*", start):
+                start += m.group(1)  # "10-30s": the end's unit is the start's too
+            fields[key] = (_parse_quantity(key, start, _UNITS_TIME), _parse_quantity(key, end, _UNITS_TIME))
         elif key == "drop":
             try:
                 fields[key] = int(value)
@@ -123,13 +141,16 @@ class SimNetwork:
     links : link model per link class ("intra", "inter")
     link_class : function (u, v) -> class name
     seed : seeds jitter and loss draws
+    origin : the time that ``down`` windows count from (a real node's start)
 
     Real nodes use the same object as their link emulator (``gossip-node
     --emulate``): ``transmit`` answers when a message may leave, or that it is lost.
     """
 
-    def __init__(self, links: dict[str, LinkModel], link_class: Callable[[int, int], str], seed: int = 0) -> None:
+    def __init__(self, links: dict[str, LinkModel], link_class: Callable[[int, int], str], seed: int = 0,
+                 origin: float = 0.0) -> None:
         self.links = dict(links)
+        self.origin = origin
         self.link_class = link_class
         self.rng = np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, 0x11E7]))
         self.busy_until: dict[tuple[int, int], float] = {}
@@ -166,7 +187,8 @@ class SimNetwork:
         if model.drop and droppable:
             self._sent_on[pair] += 1
             dropped = self._sent_on[pair] == model.drop
-        if dropped or not self.reachable(u, v) or (model.loss and self.rng.random() < model.loss):
+        down = model.down is not None and model.down[0] <= now - self.origin < model.down[1]
+        if dropped or down or not self.reachable(u, v) or (model.loss and self.rng.random() < model.loss):
             self.lost += 1
             return None
         delay = model.latency
