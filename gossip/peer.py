@@ -416,10 +416,13 @@ class Peer:
         return None
 
     def _start(self, mode: str) -> None:
+        """Build the node and start training: ``fresh`` (a new cluster of the members
+        known now), ``member`` (one of a running cluster's starters), ``join`` (a
+        running cluster schedules us), or ``alone`` (a cluster of this node only)."""
         cfg = self.cfg
         with self.lock:
-            if mode == "fresh":
-                self.membership.start(self.membership.ids())
+            if mode in ("fresh", "alone"):
+                self.membership.start(self.membership.ids() if mode == "fresh" else [self.id])
             start_round = 0
             if mode == "join":
                 start_round = self._await_join_round()
@@ -460,7 +463,8 @@ class Peer:
         """Start a new life and join the running cluster again (or the stronger
         cluster met after a partition), as a restarted process would: a new
         incarnation, a join round the members announce, and a neighbour's state
-        (this node's own drifted while it was out)."""
+        (this node's own drifted while it was out). If no member of that cluster
+        schedules the join within ``join_timeout``, it trains on alone instead."""
         self._excluded = None
         self.rejoins += 1
         self.merges += self._merging
@@ -468,9 +472,26 @@ class Peer:
             self.incarnation = self.control.incarnation = max(time.time_ns() // 1000, self.incarnation + 1)
             self.membership.new_life(self.incarnation, target=self._rejoin_cluster)
             self.status = "waiting"
-            self.node = None
+            prior, self.node = self.node, None
             self._state_replies.clear()
-        self._start("join")
+        try:
+            self._start("join")
+        except PeerError as e:
+            if prior is None or self.stop.is_set():
+                raise
+            # cut off from the cluster it joins (a partition that formed again, say): train on
+            # from where this node was, as a cluster of its own; when the two meet again, the
+            # larger goes on (see ControlPlane) and this node joins it then
+            log.warning("%s: %s; training alone from step %d until it meets a cluster again", self.id, e,
+                        prior.step)
+            state = prior.state_dict()
+            self._start("alone")
+            node = self.node
+            assert node is not None
+            node.adopt(state["flat"].to(self.device))
+            node.jump_to(state["step"])
+            if node.optimizer is not None and state["optimizer"] is not None:
+                node.optimizer.load_state_dict(state["optimizer"])
 
     def _await_join_round(self) -> int:
         """The round the cluster scheduled for us (it answers our hello with it)."""

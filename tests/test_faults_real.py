@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gossip.checkpoint import latest_checkpoint, load_checkpoint
+from gossip.peer import Peer, PeerConfig
 from tests.cluster import Cluster, free_port, wait_for_step
 
 FAST = ["--heartbeat", "0.25", "--dead-after", "2", "--settle", "1", "--grace", "5", "--timeout", "5"]
@@ -153,6 +154,31 @@ def test_the_halves_of_a_partition_become_one_cluster_again_when_it_heals(tmp_pa
     # ring's distances ran 0.01-0.04 in its first 300 steps, and fall as it converges)
     distances = [s["neighbor_distance"] for s in summaries]
     assert max(distances) < 0.02, distances
+
+
+def test_a_node_cut_off_from_the_cluster_it_joins_trains_on_alone_from_where_it_was():
+    """A node that must join another cluster (here: one it met, on a port where nobody
+    answers any more) and gets no join round within --join-timeout trains on alone,
+    with its own parameters and step, instead of giving up."""
+    cfg = PeerConfig(listen=f"127.0.0.1:{free_port()}", task="synthetic", steps=300, settle=0.2, heartbeat=0.1,
+                     dead_after=1.0, join_timeout=1.0)
+    gone = f"127.0.0.1:{free_port()}"
+    seen = {}
+
+    def on_step(peer):
+        step = peer.node.step
+        if step in (1, 100, 101):
+            seen[step] = peer.node.state.flat.detach().clone()
+        if step == 100:
+            peer._on_excluded(0, gone, {gone}, True)
+
+    peer = Peer(cfg)
+    peer.on_step = on_step
+    summary = peer.run()
+    assert summary["steps"] == 300 and summary["rejoins"] == 1 and summary["merges"] == 1, summary
+    assert not summary["joined"] and summary["members"] == 1
+    # it went on from its own parameters (one step away), not from a fresh model
+    assert torch.dist(seen[101], seen[100]) < 0.1 * torch.dist(seen[1], seen[100])
 
 
 USER_LOOP = textwrap.dedent("""
