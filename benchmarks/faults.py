@@ -9,6 +9,14 @@
 2. partition (simulator). 8 nodes on a ring, digits, split in halves for one
    simulated second: the consensus distance before, at the end of, and after
    the partition.
+   heal (real processes). 5 ``gossip-node`` processes on a ring, 3 labelled
+   east and 2 west, with every message between the datacenters lost from 10
+   to 20 s after each node starts (``--emulate inter:down=10s-20s``). Each
+   side trains on alone; when the link is back the two meet and west joins
+   east. Reported: seconds from the end of the cut until each west node took
+   an east node's state, new lives, members at the end, and (500 steps after
+   the last west node joined) neighbour distances and the rounds that timed
+   out since that join.
 3. byzantine (simulator). 8 nodes on a ring, digits; node 3 sends its
    parameters x1000. Mean accuracy of the honest nodes without and with
    clipped gossip (``clip="auto"``), and the cost of clipping on a clean run.
@@ -35,14 +43,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gossip  # noqa: E402
 from tests.cluster import Cluster, free_port, wait_for_step  # noqa: E402
 
-LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*removed: silent")
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+JOINED_AT = re.compile(r"took the state of .* joining at round (\d+)")
 
 
-def _log_times(text: str) -> list[float]:
+def _log_times(text: str, needle: str = "removed: silent") -> list[float]:
+    """The times of the log lines holding ``needle``."""
     out = []
     for line in text.splitlines():
         m = LOG_TIME.match(line)
-        if m:
+        if m and needle in line:
             out.append(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp())
     return out
 
@@ -97,6 +107,49 @@ def partition() -> dict:
             "consensus_final": r.history[-1]["consensus_distance"], "final_accuracy": r.summary["final_accuracy"]}
 
 
+def heal(workdir: Path, cut: tuple[float, float] = (10.0, 20.0), after: int = 500) -> dict:
+    """Cut 3 east nodes from 2 west nodes for ``cut`` seconds (each node's own clock,
+    from its start) and let them meet again; stop ``after`` steps past the last
+    west node's join. Returns the figures, every summary and every log."""
+    n, dcs = 5, ["east", "east", "east", "west", "west"]
+    ports = [free_port() for _ in range(n)]
+    metrics = [workdir / f"heal{i}.jsonl" for i in range(n)]
+    flags = ["--topology", "ring", "--task", "synthetic", "--steps", str(10**6), "--json", "--heartbeat", "0.25",
+             "--dead-after", "2", "--settle", "1", "--grace", "5", "--timeout", "2", "--join-margin", "10",
+             "--eval-every", "50", "--emulate", f"inter:down={cut[0]:g}s-{cut[1]:g}s"]
+    with Cluster(workdir) as c:
+        nodes = [c.start(f"heal{i}", ["--peers", f"127.0.0.1:{ports[(i + 1) % n]}", "--dc", dcs[i], "--log",
+                                      str(metrics[i]), *flags], port=ports[i]) for i in range(n)]
+        west = nodes[3:]
+        for x in nodes:
+            x.wait_for_log("training as", 120)
+        for x in nodes:  # the cut: each side drops the other
+            x.wait_for_log("removed: silent", 120)
+        for x in west:  # the link is back: west joins east
+            x.wait_for_log("took the state of", 120)
+        joined = max(int(r) for x in west for r in JOINED_AT.findall(x.log()))
+        for m in metrics:  # the five train together
+            wait_for_step(m, joined + after, 300)
+        for x in nodes:
+            x.proc.send_signal(signal.SIGTERM)
+        codes = c.wait_all(120)
+        summaries = [x.summary() for x in nodes]
+        logs = [x.log() for x in nodes]
+    merged_at = max(t for log in logs[3:] for t in _log_times(log, "took the state of"))
+    merged_after = []
+    for i in (3, 4):
+        # a node's clock starts at its first metrics record's "time" before its "training as" line
+        start = _log_times(logs[i], "training as")[0] - json.loads(metrics[i].read_text().splitlines()[0])["time"]
+        merged_after.append(_log_times(logs[i], "took the state of")[-1] - (start + cut[1]))
+    return {"exit_codes": codes, "merged_after_cut_s": merged_after,
+            "rejoins": [s["rejoins"] for s in summaries], "merges": [s["merges"] for s in summaries],
+            "members_at_end": [s["members"] for s in summaries],
+            "neighbor_distance": [s["neighbor_distance"] for s in summaries],
+            # synchronous rounds that waited --timeout in vain once all five trained together
+            "timeouts_after_join": [sum(t > merged_at for t in _log_times(log, "timed out waiting")) for log in logs],
+            "summaries": summaries, "logs": logs}
+
+
 def byzantine(seeds: int) -> dict:
     rows = []
     for seed in range(seeds):
@@ -129,6 +182,13 @@ def main() -> None:
     result["partition"] = p = partition()
     print(f"partition: consensus {p['consensus_before']:.3g} before, {p['consensus_end_of_split']:.3g} at the end "
           f"of the split, {p['consensus_final']:.3g} at the end; accuracy {p['final_accuracy']:.4f}")
+    if not args.skip_real:
+        with tempfile.TemporaryDirectory() as tmp:
+            h = heal(Path(tmp))
+        result["heal"] = {k: v for k, v in h.items() if k not in ("summaries", "logs")}
+        print(f"heal: west joined east {', '.join(f'{t:.1f}' for t in h['merged_after_cut_s'])} s after the cut "
+              f"ended; new lives {h['rejoins']}, members at the end {h['members_at_end']}, neighbour distances "
+              f"{max(h['neighbor_distance']):.4f} at most")
     result["byzantine"] = b = byzantine(args.seeds)
     print(f"byzantine x1000: honest accuracy clean {b['mean_clean']:.4f}, attacked {b['mean_attack']:.4f}, "
           f"attacked+clip {b['mean_attack_clip']:.4f}, clean+clip {b['mean_clean_clip']:.4f}")

@@ -261,7 +261,8 @@ class Peer:
         self._topologies: dict[tuple, Any] = {}
         self._dcs: dict[str, str] = {}  # datacenter label of every member we trained with (bytes by link class)
         self._state_replies: list[Message] = []
-        self._early: list[Message] = []  # state messages that arrived before our node existed
+        # state messages that arrived before our node existed, with their sender's life then
+        self._early: list[tuple[Message, int | None]] = []
         self._incarnations: dict[str, int | None] = {}  # sender -> the life whose sequence numbers we track
         self._metrics = None
         self.on_step: Any = None  # called with this peer after every training step (gossip-node's progress bar)
@@ -454,8 +455,11 @@ class Peer:
             # settle yet then starts as one of us instead of asking to join
             self.control.broadcast(self.control._members_message())
         early, self._early = self._early, []
-        for msg in early:
-            self._handle(msg)
+        for msg, inc in early:
+            # a member that started a new life since (after a partition, say) numbers its
+            # messages afresh: one from its old life would make the new life's look replayed
+            if inc == self._incarnation_of(msg.sender):
+                self._handle(msg)
         log.info("%s: training as %d of %d (%s start, round %d, step %d)", self.id, rank, world, mode,
                  self.node.round, self.node.step)
 
@@ -733,7 +737,7 @@ class Peer:
             if node is None:
                 # neighbours that started a moment earlier already sent round 0: keep it
                 if len(self._early) < 1024:
-                    self._early.append(msg)
+                    self._early.append((msg, self._incarnation_of(msg.sender)))
                 return
             if self.status == "done":
                 return  # finished: nothing to mix into
@@ -756,11 +760,14 @@ class Peer:
             else:
                 self.control.reject(str(msg.sender), "unsolicited", "a state-reply nobody asked for")
 
-    def _note_incarnation(self, sender: str) -> None:
-        """A member that restarted (new incarnation) numbers its messages afresh."""
+    def _incarnation_of(self, sender: str) -> int | None:
         with self.lock:
             member = self.membership.members.get(sender)
-        inc = member.incarnation if member is not None else None
+        return member.incarnation if member is not None else None
+
+    def _note_incarnation(self, sender: str) -> None:
+        """A member that restarted (new incarnation) numbers its messages afresh."""
+        inc = self._incarnation_of(sender)
         if self._incarnations.get(sender, inc) != inc and self.node is not None:
             self.node.forget_sender(sender)
         self._incarnations[sender] = inc
