@@ -36,7 +36,7 @@ log = logging.getLogger("gossip.control")
 NODE_KINDS = frozenset({"state", "state-request", "state-reply"})  # handled by the node thread
 MAX_CONFLICTS = 64  # peers we remember (and answer) for refusing to mix: each costs a connection
 MAX_LOGGED = 10_000  # (peer, reason) pairs logged once each
-MAX_PROBED = 64  # members declared dead that we keep saying hello to (the most recent)
+MAX_PROBED = 64  # members declared dead we keep saying hello to (the most recent); lists that drop us kept
 BACKOFF_MAX = 8.0  # seconds between hellos to a seed that does not answer or a member declared dead, at most
 
 
@@ -247,16 +247,17 @@ class ControlPlane:
             restarted = old is not None and inc > old.incarnation  # a new life of a node we knew
             # the peer's cluster (as it will be once its announced changes take effect)
             theirs = None if base is None else cluster_after(base, jids or (), lids or ())
+            ours = self.m.eventual()
             # another cluster: both train, and neither cluster counts the other node. The
             # halves of a partition that healed meet so (each side announced the other's
             # leaves), and so do clusters started apart (a seed that answered late). The
             # stronger goes on; each member of the other joins it as a new life. Its lists
             # describe another cluster: they change nothing here.
             foreign = (theirs is not None and status == "training" and self.progress()[0] == "training"
-                       and bool(self.m.base) and self.id not in theirs and peer not in self.m.eventual())
-            if foreign and theirs is not None and stronger(theirs, self.m.eventual()):
+                       and bool(self.m.base) and self.id not in theirs and peer not in ours)
+            if foreign and stronger(theirs, ours):  # type: ignore[arg-type]
                 # (its view may still count some of ours: we join its own members)
-                merge_into = theirs - self.m.eventual()
+                merge_into = theirs - ours  # type: ignore[operator]
             # while joining another cluster, only its members' lists count
             lists = not foreign and (not self.m.target or peer in self.m.target)
             self.m.heard(peer, inc, now, status=status, round=msg.round, step=msg.progress, dc=dc,
@@ -281,7 +282,7 @@ class ControlPlane:
                     if j == self.id:
                         # a leave not after our own first round is an earlier life's, long done
                         if status != "waiting" and self.progress()[0] == "training" and theirs is not None \
-                                and r > self.m.joins.get(self.id, 0) and len(self.excluded_by) < MAX_CONFLICTS:
+                                and r > self.m.joins.get(self.id, 0) and len(self.excluded_by) < MAX_PROBED:
                             self.excluded_since = self.excluded_since if self.excluded_by else now
                             self.excluded_by[peer] = (theirs, r)  # judged in tick()
                         continue
