@@ -1,7 +1,7 @@
 """Transport benchmark: a gossip exchange of a 64 MiB parameter vector, side by side.
 
 Two processes on loopback, in one run, repeated and interleaved, each on one
-torch thread:
+torch thread (``--threads N`` for more, where each process has cores of its own):
 
   raw       pyzmq PUSH/PULL, each process pushes the vector to the other (both
             directions at once, as in a gossip round) and receives the other's,
@@ -30,7 +30,7 @@ the faster raw bandwidth; target >= 0.7), ``exchange_over_gloo`` (gossip
 round time / all_reduce time; target <= 1) and ``exchange_over_raw_mix``
 (gossip round time / its floor).
 
-    python benchmarks/transport.py [--mib 64] [--repeat 5]
+    python benchmarks/transport.py [--mib 64] [--repeat 5] [--rounds 5] [--threads 1]
 """
 
 from __future__ import annotations
@@ -141,7 +141,6 @@ def _raw_mixing(rank: int, ports: list[int], numel: int, rounds: int, barrier, o
     from gossip.mixing.base import all_finite
     from gossip.wire import CHUNK
 
-    torch.set_num_threads(1)
     x = torch.full((numel,), float(rank))
     view = memoryview(torch.full((numel,), float(rank)).numpy()).cast("B")
     starts = message_starts(view.nbytes, parts, CHUNK)
@@ -179,7 +178,6 @@ def _gossip(rank: int, ports: list[int], numel: int, rounds: int, barrier, out) 
     from gossip.transport.zmq import ZmqTransport
     from topologies import Topology, complete
 
-    torch.set_num_threads(1)
     me, peer = f"127.0.0.1:{ports[rank]}", f"127.0.0.1:{ports[1 - rank]}"
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -252,7 +250,6 @@ def _gloo(rank: int, ports: list[int], numel: int, rounds: int, barrier, out, av
     import torch.distributed as dist
     from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
     x = torch.full((numel,), float(rank))
     param = torch.nn.Parameter(x, requires_grad=False)
@@ -270,14 +267,22 @@ def _gloo(rank: int, ports: list[int], numel: int, rounds: int, barrier, out, av
     dist.destroy_process_group()
 
 
-def run_pair(fn, numel: int, rounds: int) -> tuple[float, float, int]:
+def _worker(fn, threads: int, *args) -> None:
+    """One process of a pair: ``fn`` on ``threads`` torch threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    fn(*args)
+
+
+def run_pair(fn, numel: int, rounds: int, threads: int = 1) -> tuple[float, float, int]:
     """Median round time (the slower rank per round) of ``fn`` over two processes,
-    median CPU time per round and process, and the sum of any counts the
-    processes reported after their times."""
+    each on ``threads`` torch threads, median CPU time per round and process, and
+    the sum of any counts the processes reported after their times."""
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(2), ctx.Queue()
     ports = [free_port(), free_port()]
-    procs = [ctx.Process(target=fn, args=(r, ports, numel, rounds, barrier, out)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(fn, threads, r, ports, numel, rounds, barrier, out)) for r in range(2)]
     try:
         for p in procs:
             p.start()
@@ -341,9 +346,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="interleaved repetitions of all the paths")
     ap.add_argument("--rounds", type=int, default=5, help="exchanges per measurement")
     ap.add_argument("--parts", type=int, default=8, help="messages per vector on the pipelined raw path")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per process on every path (the finite check, the mix, gloo's reduction); "
+                         "more than 1 only where each process has cores of its own")
     args = ap.parse_args()
     if args.parts < 1:
         ap.error(f"--parts must be at least 1, got {args.parts}")
+    if args.threads < 1:
+        ap.error(f"--threads must be at least 1, got {args.threads}")
     numel = int(args.mib * 2**20 / 4)
     payload = numel * 4
     from gossip.wire import CHUNK
@@ -364,7 +374,7 @@ def main() -> None:
     moved = 0  # exchanges whose send was still in flight when the round mixed
     for _ in range(args.repeat):
         for name, (fn, _) in paths.items():
-            w, c, n = run_pair(fn, numel, args.rounds)
+            w, c, n = run_pair(fn, numel, args.rounds, args.threads)
             wall[name].append(w)
             cpu[name].append(c)
             moved += n
@@ -373,7 +383,8 @@ def main() -> None:
     r1, rc, g, a = t["raw"], t["raw_chunked"], t["gossip"], t["gloo"]
     r = min(r1, rc)
     ed, edj, mc, cl = codec_overhead(numel, 15)
-    print(f"payload {payload / 2**20:.0f} MiB float32, loopback, 2 processes, median of {args.repeat} x {args.rounds}")
+    print(f"payload {payload / 2**20:.0f} MiB float32, loopback, 2 processes on {args.threads} torch thread(s) each,"
+          f" median of {args.repeat} x {args.rounds}")
     print(f"{'path':<34} {'round ms':>9} {'GB/s per direction':>19} {'CPU ms per process':>19}")
     for name, (_, label) in paths.items():
         print(f"{label:<34} {t[name] * 1e3:>9.1f} {payload / t[name] / 1e9:>19.2f} {c[name] * 1e3:>19.1f}")
@@ -393,7 +404,7 @@ def main() -> None:
                       "exchange_over_raw_mix": round(g / t["raw_mix"], 3),
                       "pipelined_over_mix_after": round(t["raw_pipelined"] / t["raw_mix"], 3),
                       "cpu_ms": {name: round(v * 1e3, 1) for name, v in c.items()},
-                      "mib": args.mib}))
+                      "mib": args.mib, "threads": args.threads}))
 
 
 if __name__ == "__main__":
