@@ -248,18 +248,20 @@ class ControlPlane:
             # the peer's cluster (as it will be once its announced changes take effect)
             theirs = None if base is None else cluster_after(base, jids or (), lids or ())
             ours = self.m.eventual()
-            # another cluster: both train, and neither cluster counts the other node. The
-            # halves of a partition that healed meet so (each side announced the other's
-            # leaves), and so do clusters started apart (a seed that answered late). The
-            # stronger goes on; each member of the other joins it as a new life. Its lists
-            # describe another cluster: they change nothing here.
-            foreign = (theirs is not None and status == "training" and self.progress()[0] == "training"
-                       and bool(self.m.base) and self.id not in theirs and peer not in ours)
+            # the peer's lists describe another cluster when neither cluster counts the other
+            # node: they change nothing here. A node that waits to join a cluster this node
+            # is not in says so too; its join round there is not one here.
+            other = theirs is not None and bool(self.m.base) and self.id not in theirs and peer not in ours
+            # another cluster that trains, met by a node that trains: the halves of a
+            # partition that healed meet so (each side announced the other's leaves), and so
+            # do clusters started apart (a seed that answered late). The stronger goes on;
+            # each member of the other joins it as a new life.
+            foreign = other and status == "training" and self.progress()[0] == "training"
             if foreign and stronger(theirs, ours):  # type: ignore[arg-type]
                 # (its view may still count some of ours: we join its own members)
                 merge_into = theirs - ours  # type: ignore[operator]
             # while joining another cluster, only its members' lists count
-            lists = not foreign and (not self.m.target or peer in self.m.target)
+            lists = not other and (not self.m.target or peer in self.m.target)
             self.m.heard(peer, inc, now, status=status, round=msg.round, step=msg.progress, dc=dc,
                          fingerprint=msg.fingerprint)
             if mids is not None and mincs is not None:
@@ -316,8 +318,9 @@ class ControlPlane:
             if msg.kind == "hello":
                 active = (peer in self.m.base or peer in self.m.joins) and peer not in self.m.leaves
                 # (a hello from a training node that is not active here comes from another
-                # cluster: not a joiner; see foreign above)
-                if my_status == "training" and self.m.base and status == "waiting" and (restarted or not active):
+                # cluster: not a joiner; nor is a node that waits to join another cluster)
+                if my_status == "training" and self.m.base and status == "waiting" and (restarted or not active) \
+                        and not other:
                     # a node joins a running cluster (a new one, or a new life of a member):
                     # everyone adopts it from the same future round, after its old life left
                     eff = max(max(my_round, self.m.max_round()) + self.m.join_margin, self.m.leaves.get(peer, 0))

@@ -366,3 +366,41 @@ def test_a_list_that_drops_us_from_a_member_that_then_falls_silent_is_a_partitio
     assert a1 in me.m.eventual() and me.m.eventual() - {b1} <= other_side.m.eventual()
     _keep_alive(me, [b2], 0.0, 3.0)  # then the cut reaches this direction too: a1 and a2 fall silent
     assert me.excluded == [] and a1 not in me.m.members
+
+
+def test_a_node_joining_another_cluster_neither_joins_nor_reaches_its_old_partner():
+    """After a partition, west node w2 starts a new life to join the east cluster while
+    its partner w1 still trains on in the west. w2's lists (it waits, with east's
+    bookkeeping and its join round there) describe a cluster w1 is not in: w1 must not
+    take w2's join from them. Otherwise w1 counts w2 as its own member, w2 no longer
+    sees w1 as another cluster once it trains in the east, takes w1's leaves for the
+    east nodes w1 dropped during the cut, and hands them to those nodes: a live east
+    node judged itself dropped and left (found by the partition test in a full run)."""
+    e1, e2, e3, w1, w2 = (f"10.0.0.{i}:1" for i in range(1, 6))
+    everyone = [e1, e2, e3, w1, w2]
+    east = _split(e1, everyone, [w1, w2], 1200)
+    west = _split(w1, everyone, [e1, e2, e3], 350)
+    west.m.heard(w2, 1, 0.0, status="training", round=350)
+    joiner = _split(w2, everyone, [e1, e2, e3], 350)  # w2's old life dropped the east nodes too
+    joiner.status = "waiting"  # w2 met the east cluster: a new life joins it
+    joiner.cp.incarnation = 2
+    joiner.m.new_life(2, target={e1, e2, e3})
+    joiner.receive("members", e1, status="training", rnd=1200, **_lists(east))
+    east.receive("hello", w2, inc=2, status="waiting", **_lists(joiner))
+    joiner.receive("members", e1, status="training", rnd=1200, **_lists(east))
+    join = joiner.m.joins[w2]
+    assert joiner.m.eventual() == {e1, e2, e3, w2} and east.m.eventual() == {e1, e2, e3, w2}
+
+    # w2's new life is seen in the west: its old life leaves, and that is all
+    west.receive("ping", w2, inc=2, status="waiting", **_lists(joiner))
+    west.receive("members", w2, inc=2, status="waiting", **_lists(joiner))
+    west.receive("hello", w2, inc=2, status="waiting", **_lists(joiner))  # (a probe, say): not a join here
+    assert w2 not in west.m.joins and west.m.eventual() == {w1}
+
+    # w2 trains in the east from its join round; w1's lists are another cluster's
+    joiner.status, joiner.round = "training", join
+    joiner.m.training = True
+    joiner.m.target.clear()
+    joiner.receive("members", w1, status="training", rnd=2600, **_lists(west))
+    assert joiner.m.eventual() == {e1, e2, e3, w2}, joiner.m.leaves
+    assert joiner.merges == [] and joiner.excluded == []
