@@ -197,7 +197,10 @@ USER_LOOP = textwrap.dedent("""
 def test_a_paused_user_loop_declared_dead_joins_again_by_itself(tmp_path):
     """The same stall as above in a training loop of the user's own (GossipNode):
     its next ``step()`` learns that it was dropped and joins again."""
-    steps, n = 2500, 3
+    # The others must still train when it joins again: about 8 s after they start (the
+    # stall, then 1.5 x --dead-after before it believes the verdict). This small model
+    # runs up to 380 steps/s here; with 2500 steps the others had finished by then.
+    steps, n = 6000, 3
     ports = [free_port() for _ in range(n)]
     script = tmp_path / "loop.py"
     script.write_text(USER_LOOP)
