@@ -503,11 +503,17 @@ class Peer:
         while self.clock() < deadline and not self.stop.is_set():
             if self.id in self.membership.joins:
                 return self.membership.joins[self.id]
+            m = self.membership
+            others = m.others()
+            if m.target:  # joining another cluster: ask only its members
+                others = [o for o in others if o in m.target]
+            # only a training member schedules a join: when all have finished (or said
+            # goodbye), nobody will, and waiting --join-timeout would only idle
+            ask = m.target or others
+            if ask and all(m.members[o].status == "done" if o in m.members else o in m.departed for o in ask):
+                raise PeerError("every member of the cluster it joins has finished training")
             self.lock.release()
             try:
-                others = self.membership.others()
-                if self.membership.target:  # joining another cluster: ask only its members
-                    others = [o for o in others if o in self.membership.target]
                 if self._rejoin_via is not None:  # the member that dropped us knows the running cluster
                     others = [self._rejoin_via, *(o for o in others if o != self._rejoin_via)]
                 self.control.hello_all(others[:3])

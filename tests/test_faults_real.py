@@ -164,6 +164,27 @@ def test_a_node_cut_off_from_the_cluster_it_joins_trains_on_alone_from_where_it_
     assert torch.dist(seen[101], seen[100]) < 0.1 * torch.dist(seen[1], seen[100])
 
 
+def test_a_node_whose_cluster_has_finished_does_not_wait_for_a_join_round():
+    """Only a training member schedules a join. A node that must join a cluster whose
+    members have all finished (done, serving out their grace period) trains on alone
+    at once instead of idling for --join-timeout."""
+    cfg = PeerConfig(listen=f"127.0.0.1:{free_port()}", task="synthetic", steps=300, settle=0.2, heartbeat=0.1,
+                     dead_after=1.0, join_timeout=60.0)
+    finished = f"127.0.0.1:{free_port()}"
+
+    def on_step(peer):
+        if peer.node.step == 100:
+            with peer.lock:
+                peer.membership.heard(finished, 1, peer.clock(), status="done")
+            peer._on_excluded(0, finished, {finished}, True)
+
+    peer = Peer(cfg)
+    peer.on_step = on_step
+    summary = peer.run()
+    assert summary["steps"] == 300 and summary["rejoins"] == 1 and not summary["joined"], summary
+    assert summary["wall_time_s"] < 30, summary["wall_time_s"]  # it did not wait out --join-timeout
+
+
 USER_LOOP = textwrap.dedent("""
     import json, logging, sys
     import torch
