@@ -139,25 +139,34 @@ def test_the_halves_of_a_partition_become_one_cluster_again_when_it_heals(tmp_pa
     assert max(distances) < 0.05, distances
 
 
+def _alone_until_told_to_join(into: str, join_timeout: float, on_step=None) -> dict:
+    """A one-node cluster training 300 steps that, after step 100, learns it must join
+    the cluster ``{into}`` (as when it met a stronger cluster); its summary."""
+    cfg = PeerConfig(listen=f"127.0.0.1:{free_port()}", task="synthetic", steps=300, settle=0.2, heartbeat=0.1,
+                     dead_after=1.0, join_timeout=join_timeout)
+
+    def hook(peer):
+        if on_step is not None:
+            on_step(peer)
+        if peer.node.step == 100:
+            peer._on_excluded(0, into, {into}, True)
+
+    peer = Peer(cfg)
+    peer.on_step = hook
+    return peer.run()
+
+
 def test_a_node_cut_off_from_the_cluster_it_joins_trains_on_alone_from_where_it_was():
     """A node that must join another cluster (here: one it met, on a port where nobody
     answers any more) and gets no join round within --join-timeout trains on alone,
     with its own parameters and step, instead of giving up."""
-    cfg = PeerConfig(listen=f"127.0.0.1:{free_port()}", task="synthetic", steps=300, settle=0.2, heartbeat=0.1,
-                     dead_after=1.0, join_timeout=1.0)
-    gone = f"127.0.0.1:{free_port()}"
     seen = {}
 
-    def on_step(peer):
-        step = peer.node.step
-        if step in (1, 100, 101):
-            seen[step] = peer.node.state.flat.detach().clone()
-        if step == 100:
-            peer._on_excluded(0, gone, {gone}, True)
+    def keep(peer):
+        if peer.node.step in (1, 100, 101):
+            seen[peer.node.step] = peer.node.state.flat.detach().clone()
 
-    peer = Peer(cfg)
-    peer.on_step = on_step
-    summary = peer.run()
+    summary = _alone_until_told_to_join(f"127.0.0.1:{free_port()}", 1.0, keep)
     assert summary["steps"] == 300 and summary["rejoins"] == 1 and summary["merges"] == 1, summary
     assert not summary["joined"] and summary["members"] == 1
     # it went on from its own parameters (one step away), not from a fresh model
@@ -168,19 +177,14 @@ def test_a_node_whose_cluster_has_finished_does_not_wait_for_a_join_round():
     """Only a training member schedules a join. A node that must join a cluster whose
     members have all finished (done, serving out their grace period) trains on alone
     at once instead of idling for --join-timeout."""
-    cfg = PeerConfig(listen=f"127.0.0.1:{free_port()}", task="synthetic", steps=300, settle=0.2, heartbeat=0.1,
-                     dead_after=1.0, join_timeout=60.0)
     finished = f"127.0.0.1:{free_port()}"
 
-    def on_step(peer):
+    def finish(peer):
         if peer.node.step == 100:
             with peer.lock:
                 peer.membership.heard(finished, 1, peer.clock(), status="done")
-            peer._on_excluded(0, finished, {finished}, True)
 
-    peer = Peer(cfg)
-    peer.on_step = on_step
-    summary = peer.run()
+    summary = _alone_until_told_to_join(finished, 60.0, finish)
     assert summary["steps"] == 300 and summary["rejoins"] == 1 and not summary["joined"], summary
     assert summary["wall_time_s"] < 30, summary["wall_time_s"]  # it did not wait out --join-timeout
 
