@@ -17,6 +17,7 @@ from typing import Any, IO
 
 import torch
 
+from gossip.batched import choose_engine, parse_engine
 from gossip.data import parse_split
 from gossip.mixing import ALGORITHMS, make_rule
 from gossip.faults import parse_faults
@@ -69,6 +70,7 @@ class SimConfig:
     eval_every: int = 0              # local steps between evaluations (0: about 20 points per run)
     device: str = "cpu"
     threads: int = 1                 # torch intra-op threads during the run (small models are fastest on 1)
+    engine: str = "auto"             # local steps: auto | batched (one vectorised call) | per-node (gossip.batched)
 
     def __post_init__(self) -> None:
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
@@ -88,6 +90,7 @@ class SimConfig:
         parse_faults(self.faults, self.nodes)
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
+        parse_engine(self.engine)
         parse_split(self.split)
         # a bad codec, gamma, staleness or pairing fails here, not at the first round
         make_rule(self.algorithm, self.compression, gamma=self.gamma, asynchronous=self.asynchronous,
@@ -262,6 +265,8 @@ class Simulation:
         self.network = SimNetwork(links, self.topology.link, seed=cfg.seed)
         with _threads(cfg.threads):
             self.nodes = build_nodes(cfg, self.task, self.topology)
+            # the batched engine moves every node's parameters onto a row of one matrix
+            self.batched, self.engine_note = choose_engine(cfg.engine, self.task, self.nodes, compute.kind == "measured")
             self._close = False
             if out is None or hasattr(out, "write"):
                 self._out: IO[str] | None = out  # type: ignore[assignment]
@@ -286,7 +291,7 @@ class Simulation:
 
             self.sim = Simulator(self.nodes, self.network, compute, seed=cfg.seed, on_step=self.recorder.on_step,
                                  step_every=every, faults=parse_faults(cfg.faults, cfg.nodes), make_node=make_node,
-                                 topology_for=topology_of, detect=float(cfg.detect))
+                                 topology_for=topology_of, detect=float(cfg.detect), batched=self.batched)
             self.recorder.sim = self.sim
 
     @property
@@ -341,6 +346,7 @@ class Simulation:
             "faults": [f"{t:.3f}s {what}" for t, what in sim.fault_log],
             "missing_neighbors": sum(n.mix_totals.missing for n in nodes),
             "rejected": sum(sum(n.rejected.values()) for n in nodes),
+            "engine": "per-node" if self.batched is None else "batched",
             "sim_time_s": sim.now,
             "wall_time_s": time.perf_counter() - self.wall_start,
         }

@@ -159,6 +159,10 @@ def build_sim_parser() -> argparse.ArgumentParser:
                    help="crash:N@T, join:N@T or partition:A|B@T1-T2 (node groups like 0-3,7; repeatable)")
     p.add_argument("--detect", type=float, default=3.0, metavar="SEC",
                    help="seconds before survivors act on a crash or partition (default: 3)")
+    p.add_argument("--engine", default="auto", metavar="auto|batched|per-node",
+                   help="how local steps run: batched = all nodes' steps due together as one vectorised call "
+                        "(tasks that allow it), per-node = one model at a time, auto = batched when the task, "
+                        "model and optimizer allow it (default: auto)")
     p.add_argument("--out", default=None, metavar="FILE.jsonl", help="write metrics as JSON lines")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write the metrics as TensorBoard scalars in DIR (needs the tensorboard extra)")
@@ -199,7 +203,7 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
                         compute=args.compute, slow=args.slow, timeout=args.timeout, eval_every=args.eval_every,
                         faults=args.fault, detect=args.detect, byzantine=args.byzantine,
                         clip=_clip_arg(args.clip),
-                        device=args.device)
+                        device=args.device, engine=args.engine)
         out: Any = args.out
         if args.tensorboard:  # the JSONL records, also as TensorBoard scalars
             from gossip.tensorboard_log import open_metrics

@@ -131,13 +131,20 @@ class BatchStream:
         return len(self.shard)
 
     def next(self) -> tuple[torch.Tensor, ...]:
+        idx = self.next_indices()
+        return tuple(t[idx].to(self.device, non_blocking=True) for t in self.tensors)
+
+    def next_indices(self) -> torch.Tensor:
+        """The rows of :attr:`tensors` that :meth:`next` would return, advancing the
+        stream just as it does (a driver that gathers many nodes' batches at once
+        indexes the shared tensors itself)."""
         if self._pos + self.batch_size > len(self._order):
             self._order = self.shard[torch.randperm(len(self.shard), generator=self.generator)]
             self._pos = 0
             self.epoch += 1
         idx = self._order[self._pos : self._pos + self.batch_size]
         self._pos += self.batch_size
-        return tuple(t[idx].to(self.device, non_blocking=True) for t in self.tensors)
+        return idx
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "order": self._order.clone(), "pos": self._pos, "epoch": self.epoch}

@@ -406,8 +406,14 @@ class Node:
         return [self.members[j] for j in ch.rule.expected_senders(ch.topology, self.index, rnd)
                 if not ch.inbox.has_round(j, rnd)]
 
+    #: set by a driver that runs many nodes' local steps as one vectorised call (the
+    #: simulator's batched engine, :class:`gossip.batched.BatchedSteps`): ``local_step``
+    #: then only asks it to, and it calls :meth:`count_step` and :meth:`after_update`
+    stepper: Any = None
+
     def local_step(self) -> float:
-        """One optimizer step on the next local minibatch; returns the loss.
+        """One optimizer step on the next local minibatch; returns the loss (nan when
+        :attr:`stepper` runs it later).
 
         NaN guard: a non-finite loss means the parameters (or the data) went bad,
         by divergence or by mixing in something hostile. The update is skipped, the
@@ -416,22 +422,35 @@ class Node:
         never sends non-finite values and carries on.
         """
         self.settle()
+        if self.stepper is not None:  # run later, in one call with the other nodes' steps due
+            self.stepper.defer(self)
+            return math.nan
         batch = self.stream.next()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.task.loss(self.model, batch)
         value = float(loss.detach())
+        if self.count_step(value):
+            loss.backward()
+            self.optimizer.step()
+            self.after_update()
+        return value
+
+    def count_step(self, value: float) -> bool:
+        """Count one local step whose loss was ``value``. False when it is not finite:
+        the update must be skipped (the last good parameters are back already)."""
         self.step += 1
         if not math.isfinite(value):
             self._recover(value)
-            return value
-        loss.backward()
-        self.optimizer.step()
-        if self.step % GUARD_EVERY == 0:
-            self._good = self.state.snapshot()
+            return False
         self.last_loss = value
         self.loss_sum += value
         self.loss_count += 1
-        return value
+        return True
+
+    def after_update(self) -> None:
+        """The optimizer has applied a counted step: keep the NaN guard's restore point fresh."""
+        if self.step % GUARD_EVERY == 0:
+            self._good = self.state.snapshot()
 
     def _recover(self, value: float) -> None:
         self.nonfinite_steps += 1

@@ -127,6 +127,10 @@ class Simulator:
     topology_for : ``topology_for(ids)`` the graph over a member list
     detect : seconds before survivors act on a crash or partition (the failure
         detector's delay) and before a healed partition is noticed
+    batched : a :class:`gossip.batched.BatchedSteps` the nodes' local steps are
+        deferred to; the simulator runs the steps asked for (``flush``) before a
+        node that asked resumes, before ``on_step`` and a join look at the nodes,
+        and whenever :meth:`run` returns
 
     Membership is modelled the way real nodes behave: the running nodes that can
     reach each other form a group; after ``detect`` seconds every node of a
@@ -139,8 +143,10 @@ class Simulator:
     def __init__(self, nodes: Sequence[Node], network: SimNetwork, compute: ComputeModel, *, seed: int = 0,
                  on_step: Callable[["Simulator"], None] | None = None, step_every: int = 1,
                  faults: Sequence[Any] = (), make_node: Callable[[int], Node] | None = None,
-                 topology_for: Callable[[list[int]], Any] | None = None, detect: float = 3.0) -> None:
+                 topology_for: Callable[[list[int]], Any] | None = None, detect: float = 3.0,
+                 batched: Any = None) -> None:
         self.nodes = list(nodes)
+        self.batched = batched  # a gossip.batched.BatchedSteps running the nodes' local steps, or None
         self.network = network
         self.compute_time = compute.sampler(seed)
         self.measure = compute.kind == "measured"
@@ -211,11 +217,15 @@ class Simulator:
     def _join(self, i: int) -> None:
         if not self.down[i]:
             return
+        if self.batched is not None:
+            self.batched.flush()  # the donor's parameters and step count must be current
         group = [j for j in self._running() if self.network.reachable(i, j)]
         if self.life[i] > 0 or self._primed[i]:  # a crashed node restarts as a fresh process
             if self.make_node is None:
                 raise ValueError("a rejoining node needs make_node")
             self.nodes[i] = self.make_node(i)
+            if self.batched is not None:
+                self.batched.replace(i, self.nodes[i])
             self._gens[i] = self.nodes[i].program()
             self._primed[i] = False
         node = self.nodes[i]
@@ -308,7 +318,15 @@ class Simulator:
 
     def run(self, until: float | None = None) -> None:
         """Process events until every node has finished (or simulated time ``until``)."""
+        try:
+            self._run(until)
+        finally:
+            if self.batched is not None:
+                self.batched.flush()  # whoever looks next sees every step asked for
+
+    def _run(self, until: float | None) -> None:
         events = self.events
+        batched = self.batched
         while events:
             if until is not None and events[0][0] > until:
                 self.now = until
@@ -333,8 +351,12 @@ class Simulator:
             self.now = t
             if kind == RESUME:
                 if data >= STEP:  # a local step just completed
+                    if batched is not None and batched.asked[i]:
+                        batched.flush()  # node i reads its parameters next: run the steps due
                     self.steps_done += 1
                     if self.on_step is not None and self.steps_done % self.step_every == 0:
+                        if batched is not None:
+                            batched.flush()
                         self.on_step(self)
                 self._advance(i)
             elif kind == DELIVER:
