@@ -314,6 +314,7 @@ class Simulation:
             "period": cfg.period,
             "asynchronous": cfg.asynchronous,
             "overlap": cfg.overlap,
+            "outer": str(cfg.mixing.outer),
             "task": cfg.task if isinstance(cfg.task, str) else type(cfg.task).__name__,
             "split": str(parse_split(cfg.split)),
             "steps": cfg.steps,

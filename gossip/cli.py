@@ -121,10 +121,14 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="let a round's messages travel while the next local steps compute")
     p.add_argument("--link-policy", action="append", default=None, metavar="CLASS:OPTIONS",
                    help="per link class (intra, inter): period=K, codec=C, algorithm=A, gamma=G, staleness=D, "
-                        "clip=TAU|auto|none, async|sync (options left out are the run's own); e.g. inter:period=20,codec=topk:0.01,async (repeatable)")
+                        "clip=TAU|auto|none, outer=SPEC, async|sync (options left out are the run's own); e.g. inter:period=20,codec=topk:0.01,async (repeatable)")
     p.add_argument("--clip", default=None, metavar="TAU|auto",
                    help="robust mixing: clip each neighbour's difference to radius TAU, or 'auto' (the lower "
                         "median of the neighbours' distances)")
+    p.add_argument("--outer", default=None, metavar="SPEC",
+                   help="outer optimizer on each exchange (pseudo-gradient = parameters at the last exchange - "
+                        "mixed parameters now): sgd:lr=1 (the default: plain gossip), nesterov:lr=0.7,momentum=0.9 "
+                        "(DiLoCo), noloco[:lr=0.7,momentum=0.5] (NoLoCo); also per link class in --link-policy")
     p.add_argument("--task", default="synthetic", metavar="TASK",
                    help="synthetic, digits (needs scikit-learn), or module:attr; built-ins take options, "
                         "e.g. digits:lr=0.1,batch_size=64 (default: synthetic)")
@@ -240,6 +244,7 @@ NODE_FLAGS = {
     "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": (float, str),
     "threads": int, "emulate": list, "curve_keys": str, "peers_file": str, "slurm": bool, "slurm_port": int,
     "progress": bool, "tensorboard": str, "clip": (float, str), "asynchronous": bool, "staleness": str, "overlap": bool, "link_policy": list,
+    "outer": str,
 }
 
 

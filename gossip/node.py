@@ -212,6 +212,7 @@ class Node:
         else:
             raise ValueError("a node needs a task, or a model for a training loop of your own")
         self.state = FlatState(self.model)
+        self._rules_adopt()  # an outer optimizer's anchor: the starting parameters
         self.fingerprint = self.state.fingerprint  # checked against every arriving message
         self.numel = self.state.numel
         self.step = 0
@@ -276,6 +277,23 @@ class Node:
         self.settle()
         self.state.load_(values)
         self._good = self.state.snapshot()
+        self._rules_adopt()
+
+    def _rules_adopt(self) -> None:
+        for ch in self.channels:
+            hook = getattr(ch.rule, "on_adopt", None)
+            if hook is not None:
+                hook(self.state.flat)
+
+    def outer_state(self) -> list[dict[str, Any] | None]:
+        """Per channel, the outer optimizer state a joiner takes with the parameters (None: no outer)."""
+        return [ch.rule.outer_state() if hasattr(ch.rule, "outer_state") else None for ch in self.channels]
+
+    def load_outer_state(self, states: list[dict[str, Any] | None]) -> None:
+        """Take a member's :meth:`outer_state` (after :meth:`adopt` of its parameters)."""
+        for ch, st in zip(self.channels, states):
+            if st is not None and hasattr(ch.rule, "load_outer_state"):
+                ch.rule.load_outer_state(st)
 
     def align(self, rnd: int) -> None:
         """Continue from round ``rnd`` at the next exchange if behind it (groups that

@@ -232,6 +232,7 @@ class Simulator:
         if group:  # pull a running neighbour's state: parameters, step, rounds
             donor = self.nodes[max(group, key=lambda j: (self.nodes[j].step, -j))]
             node.adopt(donor.state.flat)
+            node.load_outer_state(donor.outer_state())  # an outer optimizer's momentum goes with them
             # start where the donor's current round started, as a real joiner does: the
             # donor may already be part way through that round's local steps
             first = donor.channels[0]

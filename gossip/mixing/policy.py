@@ -21,7 +21,7 @@ from typing import Any, Mapping
 __all__ = ["LinkPolicy", "parse_link_policies", "LINK_CLASSES"]
 
 LINK_CLASSES = ("intra", "inter")
-_KEYS = ("period", "codec", "algorithm", "gamma", "staleness", "clip")
+_KEYS = ("period", "codec", "algorithm", "gamma", "staleness", "clip", "outer")
 _ALIASES = {"compression": "codec"}
 _FLAGS = ("async", "sync")
 
@@ -37,6 +37,7 @@ class LinkPolicy:
     asynchronous: bool | None = None
     staleness: str | None = None
     clip: float | str | None = None  # a radius, "auto", or "none" (no clipping on this class)
+    outer: Any = None                # an outer optimizer spec (gossip.mixing.outer), e.g. nesterov:lr=0.7,momentum=0.9
 
     def __str__(self) -> str:
         """The CLI form (without the class), e.g. ``period=20,codec=topk:0.01,async``."""
@@ -52,12 +53,18 @@ def _parse_one(spec: str) -> tuple[str, LinkPolicy]:
         raise ValueError(f"link policy {spec!r}: expected CLASS:OPTIONS with CLASS intra or inter, "
                          "e.g. inter:period=20,codec=topk:0.01,async")
     fields: dict[str, Any] = {}
+    last = None
     for item in filter(None, (i.strip() for i in rest.split(","))):
         if item in _FLAGS:
             fields["asynchronous"] = item == "async"
+            last = None
             continue
         key, eq, value = item.partition("=")
         key = _ALIASES.get(key.strip(), key.strip())
+        if last == "outer" and eq and key not in _KEYS:  # outer=nesterov:lr=0.7,momentum=0.9: its own commas
+            fields["outer"] = f"{fields['outer']},{item}"
+            continue
+        last = key
         if not eq or key not in _KEYS:
             raise ValueError(f"link policy {spec!r}: bad option {item!r}; valid: "
                              f"{', '.join(k + '=...' for k in _KEYS)}, {', '.join(_FLAGS)}")
@@ -74,6 +81,8 @@ def _parse_one(spec: str) -> tuple[str, LinkPolicy]:
                 fields["gamma"] = value if value == "auto" else float(value)
             except ValueError:
                 raise ValueError(f"link policy {spec!r}: gamma must be a number in (0, 1] or 'auto'") from None
+        elif key == "outer":
+            fields["outer"] = value  # parsed below, with the options that follow it
         elif key == "clip":
             if value not in ("auto", "none"):
                 try:
@@ -84,6 +93,13 @@ def _parse_one(spec: str) -> tuple[str, LinkPolicy]:
             fields["clip"] = value
         else:
             fields[key] = value
+    if "outer" in fields:
+        from gossip.mixing.outer import parse_outer
+
+        try:
+            fields["outer"] = parse_outer(fields["outer"])  # with the options that followed it
+        except ValueError as e:
+            raise ValueError(f"link policy {spec!r}: {e}") from None
     return cls, LinkPolicy(**fields)
 
 

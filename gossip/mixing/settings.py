@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 from gossip.compression import Codec, get_codec
 from gossip.mixing.base import MixingRule
 from gossip.mixing.choco import parse_gamma
+from gossip.mixing.outer import OuterRule, OuterSpec, check_outer_pairing, parse_outer
 from gossip.mixing.policy import LINK_CLASSES, LinkPolicy, parse_link_policies
 from gossip.mixing.staleness import Staleness, parse_staleness
 
@@ -87,6 +88,9 @@ class MixingSettings:
         default, ``hinge:1,2``; see :mod:`gossip.mixing.staleness`
     overlap : a synchronous round travels while the next local steps compute
     clip : robust mixing radius, ``"auto"``, or None (synchronous uncompressed gossip only)
+    outer : outer optimizer over the mixing, an :class:`~gossip.mixing.outer.OuterSpec` or its
+        spec: ``sgd:lr=1`` (the default: plain gossip), ``nesterov:lr=0.7,momentum=0.9``
+        (DiLoCo), ``noloco`` (see :mod:`gossip.mixing.outer`)
     link_policy : per link class overrides, normalised to ``((class, LinkPolicy), ...)``;
         given as CLI strings (``"inter:period=20,codec=topk:0.01,async"``), a list of
         them, or a mapping ``{"inter": "period=20,..."}`` (see :mod:`gossip.mixing.policy`)
@@ -103,6 +107,7 @@ class MixingSettings:
     staleness: Staleness | Callable[[float], float] | None = None
     overlap: bool = False
     clip: float | str | None = None
+    outer: OuterSpec = OuterSpec()
     link_policy: tuple[tuple[str, LinkPolicy], ...] = ()
 
     def __post_init__(self) -> None:
@@ -136,6 +141,10 @@ class MixingSettings:
                 raise OptionError("staleness", "staleness (a decay of stale messages) applies to asynchronous "
                                                "mixing only: set asynchronous (--async) too")
         set_("clip", parse_clip(self.clip))
+        try:
+            set_("outer", parse_outer(self.outer))
+        except ValueError as e:
+            raise OptionError("outer", str(e)) from None
         if isinstance(self.link_policy, tuple) and all(isinstance(p, tuple) and len(p) == 2
                                                        and isinstance(p[1], LinkPolicy) for p in self.link_policy):
             policies = dict(self.link_policy)
@@ -176,7 +185,8 @@ class MixingSettings:
             return MixingSettings(
                 algorithm=pol.algorithm or self.algorithm, compression=pol.codec or self.compression,
                 gamma=self.gamma if pol.gamma is None else pol.gamma, period=pol.period or self.period,
-                asynchronous=is_async, staleness=decay, overlap=self.overlap, clip=clip)
+                asynchronous=is_async, staleness=decay, overlap=self.overlap, clip=clip,
+                outer=self.outer if pol.outer is None else pol.outer)
         except ValueError as e:
             raise OptionError("link_policy", f"link_policy {link}: {e}") from None
 
@@ -189,7 +199,7 @@ class MixingSettings:
                 v = [f"{c}:{p}" for c, p in v]
             elif f.name == "compression" and isinstance(v, Codec):
                 v = v.spec
-            elif f.name == "staleness" and v is not None:
+            elif f.name in ("staleness", "outer") and v is not None:
                 v = str(v)
             out[f.name] = v
         return out
@@ -256,8 +266,15 @@ def build_rules(settings: MixingSettings, topology: Any = None, *,
     def one(s: MixingSettings) -> MixingRule:
         if sender_scale is not None:
             return ScaledSender(sender_scale)
-        return make_rule(s.algorithm, s.compression, gamma=s.gamma, topology=topology, asynchronous=s.asynchronous,
+        rule = make_rule(s.algorithm, s.compression, gamma=s.gamma, topology=topology, asynchronous=s.asynchronous,
                          staleness=s.staleness, clip=s.clip)
+        if s.outer.is_identity:
+            return rule  # plain gossip: exactly the rule itself
+        try:
+            check_outer_pairing(s.outer, s.algorithm, topology)
+        except ValueError as e:
+            raise OptionError("outer", str(e)) from None
+        return OuterRule(rule, s.outer)  # type: ignore[return-value]
 
     if not settings.link_policy:
         return one(settings), None
