@@ -123,15 +123,33 @@ class SimulationResult:
         raise AttributeError(name)
 
 
+_BLOCK = 256  # nodes stacked at a time: a copy of every replica at once would cost more than the replicas
+
+
 def average_params(flats: list[torch.Tensor]) -> torch.Tensor:
     """The exact average x_bar of the nodes' parameters."""
-    return torch.stack([f.detach() for f in flats]).mean(0)
+    if len(flats) <= _BLOCK:
+        return torch.stack([f.detach() for f in flats]).mean(0)
+    total = torch.zeros_like(flats[0], dtype=torch.float64)
+    for lo in range(0, len(flats), _BLOCK):
+        total += torch.stack([f.detach() for f in flats[lo:lo + _BLOCK]]).sum(0, dtype=torch.float64)
+    return (total / len(flats)).to(flats[0].dtype)
 
 
 def consensus_distance(flats: list[torch.Tensor]) -> float:
     """(1/n) sum_i ||x_i - x_bar||^2, computed in float64."""
-    X = torch.stack([f.detach().double() for f in flats])
-    return float(((X - X.mean(0)) ** 2).sum(1).mean())
+    if len(flats) <= _BLOCK:
+        X = torch.stack([f.detach().double() for f in flats])
+        return float(((X - X.mean(0)) ** 2).sum(1).mean())
+    mean = torch.zeros_like(flats[0], dtype=torch.float64)
+    for lo in range(0, len(flats), _BLOCK):
+        mean += torch.stack([f.detach() for f in flats[lo:lo + _BLOCK]]).sum(0, dtype=torch.float64)
+    mean /= len(flats)
+    total = 0.0
+    for lo in range(0, len(flats), _BLOCK):
+        X = torch.stack([f.detach() for f in flats[lo:lo + _BLOCK]]).double()
+        total += float(((X - mean) ** 2).sum())
+    return total / len(flats)
 
 
 class _Recorder:

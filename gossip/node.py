@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Generator, Sequence
@@ -151,6 +151,24 @@ def _links_of(topology: Any, link: str) -> Any:
     return per[link]
 
 
+_member_tables: "OrderedDict[tuple, tuple[list[Any], dict[Any, int]]]" = OrderedDict()
+
+
+def _member_table(members: Sequence[Any]) -> tuple[list[Any], dict[Any, int]]:
+    """A member list and its index (member -> position), shared by every node of this
+    process that adopts the same list: a simulation of n nodes would otherwise hold
+    n copies of an n-long list and dict, memory quadratic in n. Both are read-only."""
+    key = tuple(members)
+    table = _member_tables.get(key)
+    if table is None:
+        table = _member_tables[key] = (list(key), {m: i for i, m in enumerate(key)})
+        if len(_member_tables) > 16:  # the lists of a few recent memberships are enough
+            _member_tables.popitem(last=False)
+    else:
+        _member_tables.move_to_end(key)
+    return table
+
+
 def init_model(task: Any, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The task's model initialised under ``seed``: every node gets the same start."""
     with torch.random.fork_rng(devices=[]):
@@ -238,8 +256,7 @@ class Node:
         Call between rounds. Messages already received are re-keyed to the new
         indices; those from nodes no longer members are dropped.
         """
-        members = list(members)
-        index_of = {m: i for i, m in enumerate(members)}
+        members, index_of = _member_table(members)
         if self.id not in index_of:
             raise ValueError(f"node {self.id!r} is not in its own member list")
         if self.members and members != self.members:

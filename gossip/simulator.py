@@ -111,6 +111,41 @@ def parse_slow(spec: str | dict[int, float] | None) -> dict[int, float]:
     return out
 
 
+def _int_bytes(v: Any) -> int:
+    """Which msgpack width a non-negative int takes (-1: not one, do not memoise)."""
+    if type(v) is not int or v < 0:
+        return -1
+    return 0 if v < 128 else 1 if v < 256 else 2 if v < 65536 else 3 if v < 4294967296 else 4
+
+
+class MessageSizes:
+    """:func:`gossip.wire.message_size`, memoised by everything that decides it.
+
+    A message's size depends on the lengths of its header fields, not on their
+    values: the same strings, the same payload size and integers of the same
+    msgpack width (a push-sum weight is always a 9-byte float) give the same
+    bytes. Messages with codec metadata or extra fields (CHOCO's numbering and
+    resync requests) are measured every time.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[tuple, int] = {}
+
+    def __call__(self, msg: Any) -> int:
+        data = msg.data
+        if data is None or data.meta or msg.extra or len(data.buffers) != 1:
+            return message_size(msg)
+        widths = (_int_bytes(msg.seq), _int_bytes(msg.round), _int_bytes(msg.progress))
+        if -1 in widths:
+            return message_size(msg)
+        key = (msg.kind, msg.sender, msg.fingerprint, msg.weight is None, data.codec, data.dtype, data.numel,
+               data.nbytes, widths)
+        size = self._known.get(key)
+        if size is None:
+            size = self._known[key] = message_size(msg)
+        return size
+
+
 class Simulator:
     """Advance ``nodes`` over ``network`` on one virtual clock.
 
@@ -147,6 +182,7 @@ class Simulator:
                  batched: Any = None) -> None:
         self.nodes = list(nodes)
         self.batched = batched  # a gossip.batched.BatchedSteps running the nodes' local steps, or None
+        self._size_of = MessageSizes()
         self.network = network
         self.compute_time = compute.sampler(seed)
         self.measure = compute.kind == "measured"
@@ -298,7 +334,7 @@ class Simulator:
                 size, sized = 0, None
                 for dst, msg in action.messages:
                     if msg is not sized and (sized is None or not same_header_size(msg, sized)):
-                        size = message_size(msg)
+                        size = self._size_of(msg)
                     sized = msg
                     self.bytes_sent[i] += size
                     arrival = self.network.transmit(i, dst, size, now)

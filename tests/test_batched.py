@@ -244,3 +244,27 @@ def test_parameter_groups_keep_their_own_settings():
     first = model[0].weight.numel() + model[0].bias.numel()
     assert torch.allclose(rows.matrix[0, :first], before[0, :first] - 0.5)
     assert torch.equal(rows.matrix[0, first:], before[0, first:])  # lr 0: untouched
+
+
+def test_memoised_message_sizes_are_exact():
+    # the simulator memoises wire sizes by field widths; every width boundary must agree
+    from gossip.compression import get_codec
+    from gossip.message import STATE, Message
+    from gossip.simulator import MessageSizes
+    from gossip.wire import message_size
+
+    sizes = MessageSizes()
+    payloads = [get_codec("identity").encode(torch.zeros(n)) for n in (10, 300)]
+    edges = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32]
+    checked = 0
+    for data in payloads:
+        for seq in edges:
+            for rnd in (0, 128, 70000):
+                for weight in (None, 0.25):
+                    for sender in (3, 300, "tcp://10.0.0.1:5555"):
+                        msg = Message(STATE, sender, rnd, seq // 2, seq, data, weight, {}, "abcd")
+                        assert sizes(msg) == message_size(msg), (seq, rnd, weight, sender)
+                        checked += 1
+    assert checked == 2 * len(edges) * 3 * 2 * 3 and len(sizes._known) < checked  # it did memoise
+    extra = Message(STATE, 1, 0, 0, 1, payloads[0], None, {"cseq": 5}, "abcd")
+    assert sizes(extra) == message_size(extra)
