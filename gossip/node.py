@@ -312,6 +312,39 @@ class Node:
             if st is not None and hasattr(ch.rule, "load_outer_state"):
                 ch.rule.load_outer_state(st)
 
+    def handover(self) -> tuple[torch.Tensor, dict[str, Any]]:
+        """What a joiner pulls from this node, as one flat payload: the parameters, then the
+        momentum of each outer optimizer that has one; ``extra["outer"]`` lists their channels."""
+        flat = self.state.snapshot()
+        parts, channels = [flat], []
+        for k, st in enumerate(self.outer_state()):
+            if st is not None and st.get("momentum") is not None:
+                parts.append(st["momentum"].to(device=flat.device, dtype=flat.dtype))
+                channels.append(k)
+        return (torch.cat(parts) if channels else flat), ({"outer": channels} if channels else {})
+
+    def handover_numel(self, extra: Any) -> int | None:
+        """The payload size of a :meth:`handover` described by ``extra`` (a message's, so
+        checked), or None when ``extra`` cannot describe one for this node."""
+        channels = extra.get("outer", []) if isinstance(extra, dict) else []
+        if not isinstance(channels, list) or len(set(channels)) != len(channels) \
+                or any(type(k) is not int or not 0 <= k < len(self.channels) for k in channels):
+            return None
+        return self.numel * (1 + len(channels))
+
+    def adopt_handover(self, values: torch.Tensor, extra: Any) -> None:
+        """Take a member's :meth:`handover` (checked by :meth:`handover_numel`): its parameters,
+        and its outer momentum for the channels that have an outer optimizer here too."""
+        n = self.numel
+        self.adopt(values[:n])
+        states: list[dict[str, Any] | None] = [None] * len(self.channels)
+        for i, k in enumerate(extra.get("outer", []) if isinstance(extra, dict) else []):
+            states[k] = {"momentum": values[n * (i + 1):n * (i + 2)].clone()}
+        if any(st is not None for st in states):
+            log.info("node %s: took the outer momentum of channel(s) %s with the parameters", self.id,
+                     ", ".join(self.channels[k].name for k, st in enumerate(states) if st is not None))
+        self.load_outer_state(states)
+
     def align(self, rnd: int) -> None:
         """Continue from round ``rnd`` at the next exchange if behind it (groups that
         merge after a partition pick up the same round counter)."""

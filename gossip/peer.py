@@ -258,7 +258,12 @@ class Peer:
         self._incarnations: dict[str, int | None] = {}  # sender -> the life whose sequence numbers we track
         self._metrics = None
         self.on_step: Any = None  # called with this peer after every training step (gossip-node's progress bar)
-        cap = config.max_message_mb * 2**20 if config.max_message_mb else 2 * self.model_bytes + 2**20
+        # a state-reply carries the parameters and each outer optimizer's momentum
+        mixing = config.mixing
+        momenta = sum(1 for c in ("intra", "inter") if mixing.for_link(c).outer.momentum > 0) \
+            if mixing.link_policy else int(mixing.outer.momentum > 0)
+        copies = max(2, 1 + momenta)
+        cap = config.max_message_mb * 2**20 if config.max_message_mb else copies * self.model_bytes + 2**20
         self.control = ControlPlane(self.id, self.incarnation, self.fingerprint, config.dc, self.membership,
                                     self.lock, self._send_message, self.inbound.put, self._progress,
                                     heartbeat=config.heartbeat, seeds=tuple(parse_address(p) for p in config.peers),
@@ -535,10 +540,11 @@ class Peer:
             while self.clock() < deadline and not self._state_replies:
                 self._service(0.05)
             for reply in self._state_replies:
-                if reply.sender == donor and reply.data is not None and reply.data.numel == node.state.numel:
+                if reply.sender == donor and reply.data is not None \
+                        and reply.data.numel == node.handover_numel(reply.extra):
                     values = decode_payload(reply, node.state.flat)
                     if all_finite(values):
-                        node.adopt(values)
+                        node.adopt_handover(values, reply.extra)  # parameters, and any outer momentum
                         # a joiner that fell behind (slow start, a busy machine) starts at the
                         # donor's round: the cluster went on without it, and its members drop
                         # messages of rounds they have finished
@@ -744,10 +750,10 @@ class Peer:
         elif msg.kind == "state-request":
             if node is None or self.status == "waiting":
                 return
-            snap = node.state.snapshot()
+            snap, extra = node.handover()  # the parameters, and any outer optimizer's momentum
             weight = getattr(node.rule, "weight", None)
             reply = Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
-                            weight, {"inc": self.incarnation}, self.fingerprint)
+                            weight, {"inc": self.incarnation, **extra}, self.fingerprint)
             self._send_message(msg.sender, reply)
         elif msg.kind == "state-reply":
             # wanted only while a joiner pulls a state, and a few at most: each holds a whole model
