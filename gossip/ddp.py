@@ -32,8 +32,12 @@ def allreduce_bytes(numel: int, nodes: int, itemsize: int = 4) -> float:
     return 2.0 * (nodes - 1) / nodes * numel * itemsize if nodes > 1 else 0.0
 
 
-def ddp_reference(config: SimConfig) -> SimulationResult:
+def ddp_reference(config: SimConfig, *, fused: bool = False) -> SimulationResult:
     """Train ``config.steps`` data-parallel steps of ``config.nodes`` workers.
+
+    ``fused=True`` runs the workers' minibatches as one batch (one forward and
+    backward): the same gradient when the task's loss is a mean over samples and
+    the workers' batches have one size (checked each step), and much faster.
 
     Uses the config's task, split, seed, device and ``eval_every`` (the mixing
     options do not apply). The result has the simulator's shape: ``history`` (one
@@ -64,13 +68,19 @@ def ddp_reference(config: SimConfig) -> SimulationResult:
         train = math.nan
         for step in range(1, cfg.steps + 1):
             opt.zero_grad(set_to_none=True)
-            total = 0.0
-            for stream in streams:
-                loss = task.loss(model, stream.next())
-                (loss / n).backward()  # the mean of the workers' gradients, as the all-reduce gives
-                total += float(loss.detach())
+            batches = [stream.next() for stream in streams]
+            if fused and _same_sizes(batches):
+                loss = task.loss(model, tuple(torch.cat(parts) for parts in zip(*batches)))
+                loss.backward()
+                train = float(loss.detach())
+            else:
+                total = 0.0
+                for batch in batches:
+                    loss = task.loss(model, batch)
+                    (loss / n).backward()  # the mean of the workers' gradients, as the all-reduce gives
+                    total += float(loss.detach())
+                train = total / n
             opt.step()
-            train = total / n
             if step % every == 0 or step == cfg.steps:
                 record(step, train)
     last = history[-1]
@@ -81,3 +91,13 @@ def ddp_reference(config: SimConfig) -> SimulationResult:
     if "perplexity" in last:
         summary["final_perplexity"] = last["perplexity"]
     return SimulationResult(cfg, history, summary, [FlatState(model).snapshot().cpu()])
+
+
+def _same_sizes(batches: list[Any]) -> bool:
+    """Whether every batch is a tuple of tensors with one leading size, the same for all."""
+    sizes = set()
+    for b in batches:
+        if not isinstance(b, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in b):
+            return False
+        sizes.update(t.shape[0] for t in b)
+    return len(sizes) == 1

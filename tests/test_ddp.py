@@ -44,3 +44,9 @@ def test_ddp_counts_ring_allreduce_bytes():
     numel = r.params[0].numel()
     assert r.summary["bytes_sent"] == allreduce_bytes(numel, 8) * 8 * 10
     assert [h["step"] for h in r.history] == [0, 5, 10]
+
+
+def test_fused_batches_give_the_same_gradient():
+    cfg = gossip.SimConfig(nodes=4, task="synthetic", steps=15, seed=1)
+    a, b = ddp_reference(cfg), ddp_reference(cfg, fused=True)
+    torch.testing.assert_close(a.params[0], b.params[0], rtol=0, atol=1e-6)
