@@ -13,6 +13,10 @@ same task from the same seed four ways and compares them side by side:
 4. ``async+staleness+compressed``: the same, plus a link policy that compresses
    the inter-datacenter links only (CHOCO with top-k 5% by default); intra
    links stay exact.
+5. ``sync+outer``: DiLoCo across the WAN. Exact synchronous gossip inside each
+   datacenter every step; across, an exchange every ``--outer-period`` steps (16)
+   that is an outer optimizer step (``--outer``, default
+   ``nesterov:lr=0.5,momentum=0.8``) on the pseudo-gradient of the mixed parameters.
 
 The question: how much simulated time does not waiting on the WAN save, what
 does it cost in accuracy and consensus, how much of that cost do staleness
@@ -46,20 +50,23 @@ INTRA_LINK = "latency=0.2ms,bandwidth=10Gbit"
 INTER_BANDWIDTH = "100Mbit"
 COMPUTE = "fixed:0.01"  # 10 ms per local step
 STALENESS = "hinge:1,2"
+OUTER = "nesterov:lr=0.5,momentum=0.8"  # DiLoCo's Nesterov, milder for the SGD inner steps of digits
+OUTER_PERIOD = 16
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SHORT_MIN_PNG_BYTES = 20_000  # a figure with curves and labels; an empty canvas is a few kB
 SHORT_MIN_ACCURACY = 0.6  # averaged model, every config; chance is 0.1 on digits
 TARGET_GAP = 0.02  # "time to target": first time within 2 points of the sync run's final accuracy
 
 
-def configs(inter_codec: str) -> dict[str, dict[str, Any]]:
-    """The four runs, as overrides of the shared :func:`gossip.simulate` settings."""
+def configs(inter_codec: str, outer: str = OUTER, outer_period: int = OUTER_PERIOD) -> dict[str, dict[str, Any]]:
+    """The five runs, as overrides of the shared :func:`gossip.simulate` settings."""
     return {
         "sync": {},
         "async": {"asynchronous": True, "staleness": "constant"},
         "async+staleness": {"asynchronous": True, "staleness": STALENESS},
         "async+staleness+compressed": {"asynchronous": True, "staleness": STALENESS,
                                        "link_policy": {"inter": f"codec={inter_codec}"}},
+        "sync+outer": {"link_policy": {"inter": f"period={outer_period},outer={outer}"}},
     }
 
 
@@ -80,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one-way latency of the inter-datacenter links in ms (default: 160)")
     p.add_argument("--inter-codec", default="topk:0.05",
                    help="codec of the inter-datacenter links in the compressed config (default: topk:0.05)")
+    p.add_argument("--outer", default=OUTER,
+                   help=f"outer optimizer of the sync+outer config's WAN exchanges (default: {OUTER})")
+    p.add_argument("--outer-period", type=int, default=OUTER_PERIOD,
+                   help=f"local steps between the sync+outer config's WAN exchanges (default: {OUTER_PERIOD})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=str(resolve_device("auto")),
                    help="cpu, cuda, cuda:N (default: cuda when available)")
@@ -117,6 +128,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         get_codec(args.inter_codec)
     except ValueError as e:
         parser.error(f"--inter-codec: {e}")
+    try:
+        gossip.MixingSettings(outer=args.outer, period=max(1, args.outer_period))
+    except ValueError as e:
+        parser.error(str(e).replace("outer", "--outer", 1))
+    if args.outer_period < 1:
+        parser.error(f"--outer-period must be >= 1, got {args.outer_period}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # a ring inside each datacenter, node k of one DC linked to node k of the other
@@ -126,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   device=args.device, eval_every=max(1, steps // 20))
     setup = {"nodes_per_dc": per_dc, "steps": steps, "task": args.task, "split": args.split, "seed": args.seed,
              "intra_link": INTRA_LINK, "inter_link": common["inter_link"], "compute": COMPUTE,
-             "staleness": STALENESS, "inter_codec": args.inter_codec}
+             "staleness": STALENESS, "inter_codec": args.inter_codec, "outer": args.outer,
+             "outer_period": args.outer_period}
     print(f"2 datacenters x {per_dc} nodes, task {args.task}, split {args.split}, {steps} steps; "
           f"inter-DC {common['inter_link']}, intra-DC {INTRA_LINK}, {COMPUTE} s per step")
     print(f"{'config':<28} {'accuracy':>9} {'node acc':>9} {'consensus':>10} {'sim s':>7} {'to target':>10} "
@@ -134,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     files = []
     target = None
-    for name, overrides in configs(args.inter_codec).items():
+    for name, overrides in configs(args.inter_codec, args.outer, args.outer_period).items():
         path = out_dir / f"{name}.jsonl"
         t0 = time.perf_counter()
         r = gossip.simulate(**common, **overrides, out=path)
@@ -143,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             target = s["final_accuracy"] - TARGET_GAP
         reached = time_to(r.history, target)
         rows[name] = {"asynchronous": s["asynchronous"], "staleness": overrides.get("staleness"),
-                      "inter_codec": args.inter_codec if "link_policy" in overrides else "none",
+                      "inter_codec": args.inter_codec if name.endswith("compressed") else "none",
+                      "outer": args.outer if name == "sync+outer" else None,
                       "final_accuracy": s["final_accuracy"], "mean_node_accuracy": s["mean_node_accuracy"],
                       "consensus_distance": s["consensus_distance"], "sim_time_s": s["sim_time_s"],
                       "time_to_target_s": reached, "bytes_intra": s["bytes_intra"], "bytes_inter": s["bytes_inter"],

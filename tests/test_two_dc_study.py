@@ -17,7 +17,7 @@ pytest.importorskip("sklearn")  # digits
 from examples import two_dc_study  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-CONFIGS = {"sync", "async", "async+staleness", "async+staleness+compressed"}
+CONFIGS = {"sync", "async", "async+staleness", "async+staleness+compressed", "sync+outer"}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,19 @@ def test_compression_cuts_inter_dc_bytes_only(study):
     assert packed["bytes_inter"] > 0  # the DCs still talk
     assert packed["bytes_intra"] == pytest.approx(plain["bytes_intra"], rel=0.01)  # intra links stay exact
     assert plain["bytes_inter"] == study["runs"]["sync"]["bytes_inter"]  # same messages, only timing differs
+
+
+def test_diloco_across_the_wan_waits_once_per_outer_period(study):
+    runs, steps = study["runs"], study["setup"]["steps"]
+    outer, sync = runs["sync+outer"], runs["sync"]
+    assert outer["outer"] == study["setup"]["outer"] and study["setup"]["outer_period"] == 16
+    # intra links as in sync (every step); the WAN carries one exchange in 16
+    assert outer["bytes_intra"] == pytest.approx(sync["bytes_intra"], rel=0.01)
+    assert outer["bytes_inter"] == pytest.approx(sync["bytes_inter"] * (steps // 16) / steps, rel=0.05)
+    # one 160 ms wait per 16 steps instead of one per step
+    assert outer["sim_time_s"] < sync["sim_time_s"] / 4
+    summary = json.loads(Path(outer["jsonl"]).read_text().splitlines()[-1])
+    assert summary["inter_rule"] == "gossip" and summary["intra_rule"] == "gossip"
 
 
 def test_every_configuration_learns(study):
@@ -108,6 +121,8 @@ def test_short_form_check_rejects_a_bad_png(study, tmp_path):
     (["--nodes-per-dc", "0"], "--nodes-per-dc"),
     (["--inter-latency", "-5"], "--inter-latency"),
     (["--inter-codec", "zip"], "zip"),
+    (["--outer", "adam"], "--outer: unknown optimizer 'adam'"),
+    (["--outer-period", "0"], "--outer-period"),
 ])
 def test_bad_arguments_are_rejected_before_any_run(args, needle, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
