@@ -23,7 +23,7 @@ def frames_of(msg):
     return [bytes(memoryview(f)) for f in wire.encode(msg)]  # what a receiver gets: plain bytes
 
 
-@pytest.mark.parametrize("codec", ["none", "fp16", "int8", "topk:0.3", "randk:0.5", "sign"])
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8", "int4", "int2:64", "topk:0.3", "randk:0.5", "sign"])
 def test_state_round_trip_and_exact_size(codec):
     msg = state_message(torch.randn(257), codec=codec, weight=0.25, extra={"cseq": 5, "full": False})
     frames = frames_of(msg)
