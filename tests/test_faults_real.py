@@ -8,12 +8,16 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 import torch
+import zmq
 
+from gossip import wire
 from gossip.checkpoint import latest_checkpoint, load_checkpoint
+from gossip.message import Message
 from gossip.peer import Peer, PeerConfig
 from benchmarks.faults import heal
 from tests.cluster import Cluster, free_port, wait_for_step
@@ -178,13 +182,30 @@ def test_a_node_whose_cluster_has_finished_does_not_wait_for_a_join_round():
     members have all finished (done, serving out their grace period) trains on alone
     at once instead of idling for --join-timeout."""
     finished = f"127.0.0.1:{free_port()}"
+    stop = threading.Event()
+
+    def done_member(peer):
+        # a finished member serving out its grace period: its pings say "done"
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, finished.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect("tcp://" + peer.id)
+        try:
+            while not stop.wait(0.1):
+                sock.send_multipart(wire.encode(Message("ping", finished, 400, 400, 0, None, None,
+                                                        {"inc": 1, "status": "done", "dc": ""}, peer.fingerprint)))
+        finally:
+            sock.close(0)
 
     def finish(peer):
-        if peer.node.step == 100:
-            with peer.lock:
-                peer.membership.heard(finished, 1, peer.clock(), status="done")
+        if peer.node.step == 1:
+            threading.Thread(target=done_member, args=(peer,), daemon=True).start()
 
-    summary = _alone_until_told_to_join(finished, 60.0, finish)
+    try:
+        summary = _alone_until_told_to_join(finished, 60.0, finish)
+    finally:
+        stop.set()
     assert summary["steps"] == 300 and summary["rejoins"] == 1 and not summary["joined"], summary
     assert summary["wall_time_s"] < 30, summary["wall_time_s"]  # it did not wait out --join-timeout
 
