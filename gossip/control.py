@@ -149,7 +149,7 @@ class ControlPlane:
             report = self.m.report()
             x: dict[str, Any] = {"mids": [r[0] for r in report], "mincs": [r[1] for r in report],
                                  "mdcs": [self.m.members[r[0]].dc for r in report]}
-            if self.m.base:
+            if self.m.started:
                 base = sorted(self.m.base)
                 joins = sorted(self.m.joins.items())
                 leaves = sorted(self.m.leaves.items())
@@ -263,7 +263,7 @@ class ControlPlane:
             # node: they change nothing here. A node that waits to join a cluster this node
             # is not in says so too; its join round there is not one here.
             # (a new life of a member counts as that member only once its own join is heard)
-            other = theirs is not None and bool(self.m.base) and self.id not in theirs \
+            other = theirs is not None and self.m.started and self.id not in theirs \
                 and not (peer in ours and self.m.counts(peer, inc))
             # another cluster that trains, met by a node that trains: the halves of a
             # partition that healed meet so (each side announced the other's leaves), and so
@@ -283,7 +283,7 @@ class ControlPlane:
                     for mid, mdc in zip(mids, mdcs):
                         if mid in self.m.members and not self.m.members[mid].dc:
                             self.m.members[mid].dc = mdc
-            if lists and base is not None and not self.m.base and status in ("training", "done"):
+            if lists and base is not None and not self.m.started and status in ("training", "done"):
                 # we learn how the running cluster started; if it started with an earlier
                 # life of ours (it lists another incarnation of us, or our leave), we are
                 # not one of its starters any more but a node that joins
@@ -328,7 +328,7 @@ class ControlPlane:
             my_status, my_round, _ = self.progress()
             if new_member:
                 self.last_change = now
-            if restarted and my_status == "training" and self.m.base and peer in self.m.eventual():
+            if restarted and my_status == "training" and self.m.started and peer in self.m.eventual():
                 # a new life of a member we train with: its old life sends no more. It leaves
                 # at an announced round (its new life joins when it says hello to someone,
                 # maybe in another cluster, see foreign above)
@@ -337,7 +337,7 @@ class ControlPlane:
                 active = self.m.counts(peer, inc)
                 # (a hello from a training node that is not active here comes from another
                 # cluster: not a joiner; nor is a node that waits to join another cluster)
-                if my_status == "training" and self.m.base and status == "waiting" and (restarted or not active) \
+                if my_status == "training" and self.m.started and status == "waiting" and (restarted or not active) \
                         and not other:
                     # a node joins a running cluster (a new one, or a new life of a member):
                     # everyone adopts it from the same future round, after its old life left

@@ -124,6 +124,9 @@ class Membership:
     # who trains in which round: the members the cluster started with, plus
     # announced joins (id -> first round it takes part in)
     base: set[str] = field(default_factory=set)
+    # whether this node knows the schedule of a cluster that started (base alone cannot
+    # tell: once every starter has restarted, no starter is left in it)
+    started: bool = False
     joins: dict[str, int] = field(default_factory=dict)
     leaves: dict[str, int] = field(default_factory=dict)  # id -> first round it no longer takes part in
     # the life (incarnation) that id's entries above are about. A join or leave of an
@@ -165,7 +168,7 @@ class Membership:
 
     def schedule_digest(self) -> str:
         """A short hash of the schedule ("" before the cluster starts)."""
-        if not self.base and not self.joins:
+        if not self.started:
             return ""
         text = repr((sorted(self.base), sorted(self.joins.items()), sorted(self.leaves.items()),
                      sorted(self.lives.items())))
@@ -302,6 +305,7 @@ class Membership:
         self.training = False
         self.base, self.joins, self.leaves = set(), {}, {}
         self.lives, self.early_leaves = {}, {}
+        self.started = False
         self.target = set(target) - {self.self_id}
         self.version += 1
 
@@ -362,6 +366,7 @@ class Membership:
         ids = list(ids)
         incs = list(incarnations) if incarnations is not None else [self.life_of(i) for i in ids]
         self.base = set(ids)
+        self.started = True
         for mid, inc in zip(ids, incs):
             if inc is not None:
                 self.lives[mid] = inc

@@ -393,7 +393,7 @@ class Peer:
             with self.lock:
                 others = self.membership.others()
                 running = [m for m in others if self.membership.members[m].status in ("training", "done")]
-                base_known = bool(self.membership.base)
+                base_known = self.membership.started
                 in_base = self.id in self.membership.base
             if running:
                 if base_known:

@@ -517,3 +517,27 @@ def test_what_the_lists_said_of_a_previous_life_is_not_judged_in_the_new_one():
     me.status, me.m.training = "training", True  # joined again
     _keep_alive(me, [a], 3.5, 8.0)
     assert me.excluded == [(45, a)]  # not judged again
+
+
+def test_a_cluster_whose_starters_all_restarted_still_schedules_joins():
+    """Under churn every starter restarts in time and leaves the starting set. Before,
+    an empty starting set read as "not started": members sent no schedule and
+    scheduled no join, and every node restarted after that waited forever (the
+    cluster wedged after ~25 restarts of 5 nodes)."""
+    a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    pa = Plane(a, status="training", rnd=100)
+    pa.m.heard(b, 1, 0.0, status="training", round=100)
+    pa.m.start([a, b])
+    pa.receive("hello", b, inc=2, status="waiting")  # b restarted: a new life joins
+    assert b not in pa.m.base and b in pa.m.joins
+    pa.m.base.discard(a)  # a restarted too (its new life learned the schedule without itself as a starter)
+    pa.m.joins[a] = 50
+    assert pa.m.base == set()
+    pa.receive("hello", c, inc=1, status="waiting")  # a newcomer
+    join = pa.m.joins.get(c)
+    assert join is not None and join >= 100 + pa.m.join_margin
+    reply = [m for d, m in pa.sent if d == c and m.kind == "members"][-1]
+    assert reply.extra["base"] == [] and c in reply.extra["jids"]  # the schedule travels
+    pc = Plane(c)
+    pc.receive("members", a, status="training", rnd=100, **_lists(pa))
+    assert pc.m.started and pc.m.joins[c] == join and pc.m.at_round(join) == [a, b, c]
