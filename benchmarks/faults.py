@@ -2,26 +2,32 @@
 
 1. crash (real processes). 8 ``gossip-node`` processes on a ring, synthetic
    task; a clean run and a run where two nodes are killed with SIGKILL once
-   node 0 has logged half the steps. Reported: detection time (from the kill
-   to the first survivor's "removed: silent" log line, and to the last's), the
-   longest pause between two local steps on any survivor, and the mean final
+   node 0 has logged half the steps (each victim's exit status must be
+   SIGKILL's). Reported, for each victim on its own: how many survivors
+   logged "member <victim> removed: silent" after its kill, and the seconds
+   from its kill to the first and to the last of those lines; the longest
+   pause between two local steps on any survivor, and the mean final
    accuracy of the survivors against the clean run's nodes.
 2. partition (simulator). 8 nodes on a ring, digits, split in halves for one
    simulated second: the consensus distance before, at the end of, and after
    the partition.
    heal (real processes). 5 ``gossip-node`` processes on a ring, 3 labelled
-   east and 2 west, with every message between the datacenters lost from 10
-   to 20 s after each node starts (``--emulate inter:down=10s-20s``). Each
-   side trains on alone; when the link is back the two meet and west joins
-   east. Reported: seconds from the end of the cut until each west node took
-   an east node's state, new lives, members at the end, and (500 steps after
-   the last west node joined) neighbour distances and the rounds that timed
-   out since that join.
+   east and 2 west, with every message between the datacenters lost from 20
+   to 30 s after each node starts (``--emulate inter:down=20s-30s``; ``--cut``
+   moves the window: on a shared 2-core VM five nodes took 6-11 s from their
+   start to training, so a cut from 10 s sometimes came before it). Every
+   node must be training before its cut begins and must drop every node of
+   the other side during it. Each side trains on alone; when the link is
+   back the two meet and west joins east. Reported:
+   seconds from the end of the cut (each node's start, as it logs it, plus
+   30 s) until each west node took an east node's state, new lives, members
+   at the end, and (500 steps after the last west node joined) neighbour
+   distances and the rounds that timed out since that join.
 3. byzantine (simulator). 8 nodes on a ring, digits; node 3 sends its
    parameters x1000. Mean accuracy of the honest nodes without and with
    clipped gossip (``clip="auto"``), and the cost of clipping on a clean run.
 
-    python benchmarks/faults.py [--steps 1500] [--dead-after 2] [--skip-real]
+    python benchmarks/faults.py [--steps 1500] [--dead-after 2] [--seeds 3] [--cut 20-30] [--skip-real]
 
 Ends with one JSON line.
 """
@@ -45,15 +51,44 @@ from tests.cluster import Cluster, free_port, wait_for_step  # noqa: E402
 
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 JOINED_AT = re.compile(r"took the state of .* joining at round (\d+)")
+REMOVED = re.compile(r"member (\S+) removed: silent")
+# Peer sets its incarnation to the wall clock in microseconds on the line before it
+# starts the clock that --emulate's down windows count from, and logs it at once
+INCARNATION = re.compile(r"listening \(incarnation (\d+)")
+
+
+def _log_time(line: str) -> float | None:
+    """The wall-clock time a log line was written, or None for a line without one."""
+    m = LOG_TIME.match(line)
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if m else None
 
 
 def _log_times(text: str, needle: str = "removed: silent") -> list[float]:
     """The times of the log lines holding ``needle``."""
+    return [t for line in text.splitlines() if needle in line and (t := _log_time(line)) is not None]
+
+
+def removals(text: str, member: str, after: float) -> list[float]:
+    """The times of the log lines in ``text`` that remove ``member`` as silent and
+    were written at ``after`` (a wall-clock time) or later.
+
+    Log times are truncated to the millisecond, so ``after`` is too.
+
+    >>> log = ("2026-12-01 10:00:00,500 WARNING gossip: member 127.0.0.1:5002 removed: silent for more than 2 s\\n"
+    ...        "2026-12-01 10:00:01,250 WARNING gossip: member 127.0.0.1:500 removed: silent for more than 2 s")
+    >>> t0 = datetime(2026, 12, 1, 10, 0, 0).timestamp()
+    >>> [round(t - t0, 3) for t in removals(log, "127.0.0.1:500", t0)]
+    [1.25]
+    >>> removals(log, "127.0.0.1:5002", t0 + 0.6)
+    []
+    """
+    floor = int(after * 1000) / 1000
     out = []
     for line in text.splitlines():
-        m = LOG_TIME.match(line)
-        if m and needle in line:
-            out.append(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp())
+        m = REMOVED.search(line)
+        t = _log_time(line)
+        if m and m.group(1) == member and t is not None and t >= floor - 1e-6:
+            out.append(t)
     return out
 
 
@@ -74,12 +109,17 @@ def crash(steps: int, dead_after: float, n: int = 8) -> dict:
                                                        "ring", "--task", "synthetic", "--steps", str(steps),
                                                        "--json", *timing, *extra], port=ports[i]))
                 victims = [nodes[2], nodes[5]]
-                killed_at = None
+                killed_at: dict[str, float] = {}  # victim id -> wall-clock time of its SIGKILL
                 if run == "faulty":
                     wait_for_step(metrics, steps // 2, 600)
-                    killed_at = time.time()
                     for v in victims:
+                        killed_at[v.addr] = time.time()
                         v.proc.send_signal(signal.SIGKILL)
+                    for v in victims:  # the fault is a crash only if SIGKILL is what ended it
+                        code = v.wait(30)
+                        if code != -signal.SIGKILL:
+                            raise RuntimeError(f"victim {v.name} ended with status {code}, not SIGKILL's "
+                                               f"({-signal.SIGKILL}):\n{v.log()[-3000:]}")
                 survivors = [x for x in nodes if run == "clean" or x not in victims]
                 codes = [x.wait(600) for x in survivors]
                 summaries = [x.summary() for x in survivors]
@@ -88,9 +128,20 @@ def crash(steps: int, dead_after: float, n: int = 8) -> dict:
                        "max_step_gap_s": max(s["max_step_gap_s"] for s in summaries),
                        "members_at_end": sorted({s["members"] for s in summaries}),
                        "train_time_s": max(s["train_time_s"] for s in summaries)}
-                if killed_at is not None:
-                    firsts = [min(t) - killed_at for t in (_log_times(x.log()) for x in survivors) if t]
-                    row.update(detected_by=len(firsts), detect_first_s=min(firsts), detect_last_s=max(firsts))
+                if killed_at:
+                    logs = [x.log() for x in survivors]
+                    per_victim = {}
+                    for v in victims:  # each survivor's first removal of this victim after its kill
+                        firsts = [min(t) - killed_at[v.addr] for t in
+                                  (removals(log, v.addr, killed_at[v.addr]) for log in logs) if t]
+                        if not firsts:
+                            raise RuntimeError(f"no survivor removed {v.name} ({v.addr}) after its kill")
+                        per_victim[v.name] = {"exit_status": v.proc.returncode, "detected_by": len(firsts),
+                                              "detect_first_s": min(firsts), "detect_last_s": max(firsts)}
+                    row.update(victims=per_victim, survivors=len(survivors),
+                               detected_by=min(d["detected_by"] for d in per_victim.values()),
+                               detect_first_s=min(d["detect_first_s"] for d in per_victim.values()),
+                               detect_last_s=max(d["detect_last_s"] for d in per_victim.values()))
                 out[run] = row
     out["accuracy_change_pts"] = 100 * (out["faulty"]["mean_accuracy"] - out["clean"]["mean_accuracy"])
     return out
@@ -107,7 +158,26 @@ def partition() -> dict:
             "consensus_final": r.history[-1]["consensus_distance"], "final_accuracy": r.summary["final_accuracy"]}
 
 
-def heal(workdir: Path, cut: tuple[float, float] = (10.0, 20.0), after: int = 500) -> dict:
+def _wait(done, timeout: float, what: str) -> None:
+    """Poll ``done()`` every 0.1 s until it is true; AssertionError naming ``what`` after ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _start_time(node, launched: float) -> float:
+    """The wall-clock time ``node`` started its clock (the origin of its --emulate
+    down windows), from the incarnation it logs; checked against its launch."""
+    node.wait_for_log("listening (incarnation", 120)
+    start = int(INCARNATION.search(node.log()).group(1)) / 1e6
+    if not launched <= start <= time.time():
+        raise RuntimeError(f"{node.name}: start {start:.3f} is not between its launch {launched:.3f} and now")
+    return start
+
+
+def heal(workdir: Path, cut: tuple[float, float] = (20.0, 30.0), after: int = 500) -> dict:
     """Cut 3 east nodes from 2 west nodes for ``cut`` seconds (each node's own clock,
     from its start) and let them meet again; stop ``after`` steps past the last
     west node's join. Returns the figures, every summary and every log."""
@@ -118,13 +188,26 @@ def heal(workdir: Path, cut: tuple[float, float] = (10.0, 20.0), after: int = 50
              "--dead-after", "2", "--settle", "1", "--grace", "5", "--timeout", "2", "--join-margin", "10",
              "--eval-every", "50", "--emulate", f"inter:down={cut[0]:g}s-{cut[1]:g}s"]
     with Cluster(workdir) as c:
-        nodes = [c.start(f"heal{i}", ["--peers", f"127.0.0.1:{ports[(i + 1) % n]}", "--dc", dcs[i], "--log",
-                                      str(metrics[i]), *flags], port=ports[i]) for i in range(n)]
+        launched, nodes = [], []
+        for i in range(n):
+            launched.append(time.time())
+            nodes.append(c.start(f"heal{i}", ["--peers", f"127.0.0.1:{ports[(i + 1) % n]}", "--dc", dcs[i], "--log",
+                                              str(metrics[i]), *flags], port=ports[i]))
         west = nodes[3:]
         for x in nodes:
             x.wait_for_log("training as", 120)
-        for x in nodes:  # the cut: each side drops the other
-            x.wait_for_log("removed: silent", 120)
+        starts = [_start_time(x, launched[i]) for i, x in enumerate(nodes)]
+        began = [_log_times(x.log(), "training as")[0] - starts[i] for i, x in enumerate(nodes)]
+        for x, b in zip(nodes, began):  # the fault happens to a cluster that trains, or not at all
+            if b >= cut[0]:
+                raise RuntimeError(f"{x.name} began training {b:.1f} s after its start, not before the cut "
+                                   f"began at {cut[0]:g} s: this machine is too slow for that cut (try --cut "
+                                   f"{cut[0] + 10:g}-{cut[1] + 10:g})")
+        # the cut: every node drops every node of the other side, during its own cut
+        for i, x in enumerate(nodes):
+            others = [nodes[j].addr for j in range(n) if dcs[j] != dcs[i]]
+            _wait(lambda: all(removals(x.log(), a, starts[i] + cut[0]) for a in others), 120,
+                  f"{x.name} removing {others} after its cut began")
         for x in west:  # the link is back: west joins east
             x.wait_for_log("took the state of", 120)
         joined = max(int(r) for x in west for r in JOINED_AT.findall(x.log()))
@@ -136,12 +219,9 @@ def heal(workdir: Path, cut: tuple[float, float] = (10.0, 20.0), after: int = 50
         summaries = [x.summary() for x in nodes]
         logs = [x.log() for x in nodes]
     merged_at = max(t for log in logs[3:] for t in _log_times(log, "took the state of"))
-    merged_after = []
-    for i in (3, 4):
-        # a node's clock starts at its first metrics record's "time" before its "training as" line
-        start = _log_times(logs[i], "training as")[0] - json.loads(metrics[i].read_text().splitlines()[0])["time"]
-        merged_after.append(_log_times(logs[i], "took the state of")[-1] - (start + cut[1]))
+    merged_after = [_log_times(logs[i], "took the state of")[-1] - (starts[i] + cut[1]) for i in (3, 4)]
     return {"exit_codes": codes, "merged_after_cut_s": merged_after,
+            "start_after_launch_s": [s - t for s, t in zip(starts, launched)], "began_training_s": began,
             "rejoins": [s["rejoins"] for s in summaries], "merges": [s["merges"] for s in summaries],
             "members_at_end": [s["members"] for s in summaries],
             "neighbor_distance": [s["neighbor_distance"] for s in summaries],
@@ -170,13 +250,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--dead-after", type=float, default=2.0)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--cut", default="20-30", metavar="START-END",
+                    help="heal: seconds after each node's start during which the datacenters are cut apart")
     ap.add_argument("--skip-real", action="store_true", help="only the simulator measurements")
     args = ap.parse_args()
+    try:
+        cut = tuple(float(x) for x in args.cut.split("-"))
+        if len(cut) != 2 or not 0 < cut[0] < cut[1]:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--cut must be START-END seconds with 0 < START < END, got {args.cut!r}")
     result: dict = {}
     if not args.skip_real:
         result["crash"] = c = crash(args.steps, args.dead_after)
-        print(f"crash: detected by {c['faulty']['detected_by']} survivors in {c['faulty']['detect_first_s']:.2f}-"
-              f"{c['faulty']['detect_last_s']:.2f} s (dead-after {args.dead_after} s); longest step gap "
+        per_victim = "; ".join(f"{name} (status {d['exit_status']}) removed by {d['detected_by']} of "
+                               f"{c['faulty']['survivors']} survivors {d['detect_first_s']:.2f}-{d['detect_last_s']:.2f} s "
+                               "after its kill" for name, d in c["faulty"]["victims"].items())
+        print(f"crash: {per_victim} (dead-after {args.dead_after} s); longest step gap "
               f"{c['faulty']['max_step_gap_s']:.2f} s (clean {c['clean']['max_step_gap_s']:.2f} s); accuracy "
               f"{c['faulty']['mean_accuracy']:.4f} vs clean {c['clean']['mean_accuracy']:.4f}")
     result["partition"] = p = partition()
@@ -184,7 +274,7 @@ def main() -> None:
           f"of the split, {p['consensus_final']:.3g} at the end; accuracy {p['final_accuracy']:.4f}")
     if not args.skip_real:
         with tempfile.TemporaryDirectory() as tmp:
-            h = heal(Path(tmp))
+            h = heal(Path(tmp), cut)
         result["heal"] = {k: v for k, v in h.items() if k not in ("summaries", "logs")}
         print(f"heal: west joined east {', '.join(f'{t:.1f}' for t in h['merged_after_cut_s'])} s after the cut "
               f"ended; new lives {h['rejoins']}, members at the end {h['members_at_end']}, neighbour distances "

@@ -1,18 +1,27 @@
-"""GPU check: two gossip nodes on CUDA over loopback vs. the same training alone.
+"""GPU check: two gossip nodes on one CUDA device, exchanging over loopback vs. not exchanging.
 
-Run on a machine with an NVIDIA GPU:
+Run on a machine with an NVIDIA GPU (one command, under 5 minutes):
 
-    python benchmarks/gpu_check.py [--steps 300] [--hidden 4096]
+    python benchmarks/gpu_check.py [--steps 200] [--warmup 20] [--repeat 3] [--hidden 4096]
 
-It trains a wide MLP (about 4096^2 * 3 parameters) on generated data for a few
-hundred steps three ways, in one run:
+It trains a wide MLP (512 -> 4096 -> 4096 -> 16: 18,948,112 parameters, 72.3 MiB
+of float32 with the default ``--hidden``) on generated data, in two worker
+processes that share the GPU, three ways:
 
-  alone    one process, no communication (the step time to beat)
-  gossip   two processes on the same GPU, D-PSGD over loopback every step
+  off      both nodes train, no exchange (``period`` beyond the last step):
+           the step time to beat, with the GPU shared as in the others
+  gossip   D-PSGD over loopback every step
   period4  the same with an exchange every 4 local steps
 
-and prints the mean step time of each, the ratios, and one JSON line. On a
-machine without CUDA it says so and exits 0.
+The two workers (each with half the machine's cores as torch threads) start
+once (torch, CUDA) and run the configurations interleaved, in a rotated order
+in each of ``--repeat`` rounds, each as a fresh pair of nodes. A run's step
+time is its mean over the steps after the first ``--warmup`` (timed with the
+GPU synchronised at both ends of that window, a whole number of exchange
+periods), the slower of the two nodes; the figures are medians over the
+rounds. Prints a table and one JSON line. On a machine
+without CUDA it says so and exits 0; ``--dry-run`` runs the same measurement
+on the CPU with a small model, to check the script itself.
 """
 
 from __future__ import annotations
@@ -20,12 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import queue
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: name -> local steps between exchanges (off: never within a run)
+CONFIGS = {"off": 10**9, "gossip": 1, "period4": 4}
 
 
 class WideTask:
@@ -71,73 +86,160 @@ class WideTask:
             return {"loss": float(F.mse_loss(model(self.X[:1024].to(device)), self.y[:1024].to(device)))}
 
 
+def parameter_count(hidden: int, dim: int = 512, out: int = 16) -> int:
+    """Parameters of :class:`WideTask`'s MLP (weights and biases), by formula.
+
+    >>> parameter_count(4096)
+    18948112
+    """
+    return dim * hidden + hidden + hidden * hidden + hidden + hidden * out + out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _node(port: int, peer: int | None, steps: int, hidden: int, period: int, out) -> None:
+def _worker(device: str, hidden: int, jobs, out) -> None:
+    """One node's process: runs a fresh Peer for each job until it gets None."""
     import torch
 
     from gossip.peer import Peer, PeerConfig
 
-    cfg = PeerConfig(listen=f"127.0.0.1:{port}", peers=(f"127.0.0.1:{peer}",) if peer else (), steps=steps,
-                     period=period, device="cuda", settle=1.0, heartbeat=0.2, timeout=30.0, grace=5.0)
-    p = Peer(cfg, task=WideTask(hidden))
-    try:
-        assert p.start()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        p.train()
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        p.finish()
-        s = p.summary()
-    finally:
-        p.close()
-    out.put({"step_ms": elapsed / steps * 1e3, "neighbor_distance": s["neighbor_distance"],
-             "bytes_sent": s["bytes_sent"], "params": p.model_bytes})
+    # the two nodes share the machine: half its cores each for the CPU side of the exchange (check, mix)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    task = WideTask(hidden)
+    cuda = device == "cuda"
+    while (job := jobs.get()) is not None:
+        port, peer, steps, warmup, period = job
+        marks: dict[int, float] = {}
+
+        def on_step(p, first=warmup, last=steps) -> None:
+            if p.node.step in (first, last):  # the timed window: the GPU's work done at both ends
+                if cuda:
+                    torch.cuda.synchronize()
+                marks[p.node.step] = time.perf_counter()
+
+        cfg = PeerConfig(listen=f"127.0.0.1:{port}", peers=(f"127.0.0.1:{peer}",), steps=steps, period=period,
+                         device=device, settle=1.0, heartbeat=0.2, dead_after=10.0, timeout=30.0, grace=1.0)
+        p = Peer(cfg, task=task)
+        try:
+            if not p.start():
+                raise RuntimeError("the node stopped before training")
+            p.on_step = on_step
+            p.train()
+            p.finish()
+            s = p.summary()
+        finally:
+            p.close()
+        if set(marks) != {warmup, steps}:
+            raise RuntimeError(f"timed steps {sorted(marks)}, expected {warmup} and {steps}")
+        out.put({"step_ms": (marks[steps] - marks[warmup]) / (steps - warmup) * 1e3,
+                 "neighbor_distance": s["neighbor_distance"], "bytes_sent": s["bytes_sent"],
+                 "params": sum(q.numel() for q in p.node.model.parameters()), "device": s["device"]})
 
 
-def measure(n: int, steps: int, hidden: int, period: int) -> dict:
+def measure(device: str, steps: int, warmup: int, repeat: int, hidden: int, timeout: float) -> dict:
+    """Run every configuration ``repeat`` times, interleaved; per configuration the
+    median step time (ms) over the rounds, and every round's."""
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    ports = [free_port() for _ in range(n)]
-    procs = [ctx.Process(target=_node, args=(ports[i], ports[(i + 1) % n] if n > 1 else None, steps, hidden,
-                                             period, out)) for i in range(n)]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=1800) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    return {"step_ms": max(r["step_ms"] for r in results), "neighbor_distance": results[0]["neighbor_distance"],
-            "model_mib": results[0]["params"] / 2**20}
+    jobs, out = [ctx.Queue(), ctx.Queue()], ctx.Queue()
+    workers = [ctx.Process(target=_worker, args=(device, hidden, jobs[i], out), daemon=True) for i in range(2)]
+    for w in workers:
+        w.start()
+    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    deadline = time.monotonic() + timeout
+    try:
+        names = list(CONFIGS)
+        for r in range(repeat):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # each config first in turn
+                ports = [free_port(), free_port()]
+                for i in range(2):
+                    jobs[i].put((ports[i], ports[1 - i], steps, warmup, CONFIGS[name]))
+                pair = []
+                for _ in range(2):
+                    try:
+                        pair.append(out.get(timeout=max(1.0, deadline - time.monotonic())))
+                    except queue.Empty:
+                        raise RuntimeError(f"gpu_check: {name} (round {r + 1}) did not finish within {timeout:.0f} s "
+                                           "of the start") from None
+                runs[name].append({"step_ms": max(x["step_ms"] for x in pair),
+                                   "neighbor_distance": max(x["neighbor_distance"] for x in pair),
+                                   "bytes_sent": sum(x["bytes_sent"] for x in pair), "params": pair[0]["params"],
+                                   "device": pair[0]["device"]})
+        for j in jobs:
+            j.put(None)
+        for w in workers:
+            w.join(timeout=30)
+    finally:
+        for w in workers:  # only the two workers this run started
+            if w.is_alive():
+                w.kill()
+                w.join(timeout=10)
+    return {name: {"step_ms": statistics.median(x["step_ms"] for x in rs), "runs_ms": [x["step_ms"] for x in rs],
+                   "neighbor_distance": rs[-1]["neighbor_distance"], "bytes_sent": rs[-1]["bytes_sent"],
+                   "params": rs[0]["params"], "device": rs[0]["device"]} for name, rs in runs.items()}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--hidden", type=int, default=4096)
-    args = ap.parse_args()
+    ap.add_argument("--steps", type=int, default=200, help="local steps of each run (default 200)")
+    ap.add_argument("--warmup", type=int, default=20, help="first steps of each run left out of its time (default 20)")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of the three configurations (default 3)")
+    ap.add_argument("--hidden", type=int, default=4096, help="width of the MLP's hidden layers (default 4096)")
+    ap.add_argument("--timeout", type=float, default=270.0, help="seconds for the whole measurement (default 270)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the same measurement on the CPU, small (hidden 64, 24 steps, warm-up 4, 2 rounds)")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.steps, args.warmup, args.repeat, args.hidden = 24, 4, 2, 64
+    if args.hidden < 1:
+        ap.error(f"--hidden must be positive, got {args.hidden}")
+    if args.repeat < 1:
+        ap.error(f"--repeat must be positive, got {args.repeat}")
+    if not (0 < args.warmup < args.steps and (args.steps - args.warmup) % 4 == 0):
+        ap.error(f"--warmup must be in (0, --steps) and --steps - --warmup a multiple of 4 (whole exchange "
+                 f"periods of period4), got --steps {args.steps} --warmup {args.warmup}")
     import torch
 
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device on this machine; nothing to measure.")
+    if args.dry_run:
+        device, name = "cpu", "cpu (dry run)"
+    elif torch.cuda.is_available():
+        device, name = "cuda", torch.cuda.get_device_name(0)
+    else:
+        print("gpu_check: no CUDA device on this machine; nothing to measure (--dry-run checks the script on "
+              "the CPU).")
         print(json.dumps({"cuda": False}))
         return 0
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    alone = measure(1, args.steps, args.hidden, 10**9)
-    gossip = measure(2, args.steps, args.hidden, 1)
-    period4 = measure(2, args.steps, args.hidden, 4)
-    print(f"model {alone['model_mib']:.1f} MiB; mean step time over {args.steps} steps:")
-    for name, r in (("alone", alone), ("gossip every step", gossip), ("gossip every 4", period4)):
-        print(f"  {name:<20} {r['step_ms']:8.2f} ms   x{r['step_ms'] / alone['step_ms']:.2f}")
-    print(json.dumps({"cuda": True, "device": torch.cuda.get_device_name(0), "model_mib": alone["model_mib"],
-                      "alone_ms": alone["step_ms"], "gossip_ms": gossip["step_ms"],
-                      "period4_ms": period4["step_ms"], "gossip_over_alone": gossip["step_ms"] / alone["step_ms"],
-                      "period4_over_alone": period4["step_ms"] / alone["step_ms"],
-                      "neighbor_distance": gossip["neighbor_distance"]}))
+    params = parameter_count(args.hidden)
+    print(f"device: {name}, torch {torch.__version__}; model {params:,} parameters ({params * 4 / 2**20:.1f} MiB)")
+    r = measure(device, args.steps, args.warmup, args.repeat, args.hidden, args.timeout)
+    if r["off"]["params"] != params:
+        raise RuntimeError(f"the model has {r['off']['params']} parameters, the formula says {params}")
+    if r["off"]["device"].split(":")[0] != device:
+        raise RuntimeError(f"the nodes trained on {r['off']['device']}, not {device}")
+    for key in CONFIGS:  # each configuration moved the bytes it claims: a model per node and exchange, or none
+        exchanges = 0 if CONFIGS[key] > args.steps else args.steps // CONFIGS[key]
+        low, sent = 2 * exchanges * params * 4, r[key]["bytes_sent"]
+        if not (low <= sent < low + params * 4):
+            raise RuntimeError(f"{key}: the two nodes sent {sent} bytes; {exchanges} exchanges of the model each "
+                               f"is {low} bytes plus control messages")
+    off = r["off"]["step_ms"]
+    print(f"median over {args.repeat} rounds of the mean step time, steps {args.warmup + 1}-{args.steps} of "
+          f"{args.steps}, slower node of two:")
+    for key, label in (("off", "no exchange"), ("gossip", "gossip every step"), ("period4", "gossip every 4")):
+        runs = ", ".join(f"{x:.2f}" for x in r[key]["runs_ms"])
+        print(f"  {label:<18} {r[key]['step_ms']:8.2f} ms   x{r[key]['step_ms'] / off:.2f}   (rounds: {runs})")
+    print(json.dumps({"cuda": device == "cuda", "device": name, "params": params, "model_mib": params * 4 / 2**20,
+                      "steps": args.steps, "warmup": args.warmup, "repeat": args.repeat,
+                      "off_ms": round(off, 3), "gossip_ms": round(r["gossip"]["step_ms"], 3),
+                      "period4_ms": round(r["period4"]["step_ms"], 3),
+                      "gossip_over_off": round(r["gossip"]["step_ms"] / off, 3),
+                      "period4_over_off": round(r["period4"]["step_ms"] / off, 3),
+                      "runs_ms": {k: [round(x, 3) for x in v["runs_ms"]] for k, v in r.items()},
+                      "bytes_sent": {k: v["bytes_sent"] for k, v in r.items()},
+                      "neighbor_distance": r["gossip"]["neighbor_distance"]}))
     return 0
 
 

@@ -179,6 +179,8 @@ class CharLMTask(Task):
     """
 
     name = "char-lm"
+    # the loss vectorises over replicas (torch.func): gossip-sim runs the nodes' steps as one call
+    batchable = True
 
     def __init__(self, corpus: Corpus, *, dim: int = 64, heads: int = 4, layers: int = 2, lr: float = 3e-3,
                  batch_size: int = 32, eval_windows: int = 128) -> None:

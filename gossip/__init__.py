@@ -9,7 +9,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "simulate", "Simulation", "SimConfig", "SimulationResult", "GossipNode"]
+__all__ = ["__version__", "simulate", "Simulation", "SimConfig", "SimulationResult", "GossipNode",
+           "MixingSettings"]
 
 
 def __getattr__(name: str):
@@ -18,6 +19,10 @@ def __getattr__(name: str):
         from gossip import api
 
         return getattr(api, name)
+    if name == "MixingSettings":
+        from gossip.mixing.settings import MixingSettings
+
+        return MixingSettings
     if name == "GossipNode":
         from gossip.user_loop import GossipNode
 

@@ -17,12 +17,12 @@ from typing import Any, IO
 
 import torch
 
+from gossip.batched import choose_engine, parse_engine
 from gossip.data import parse_split
-from gossip.mixing import ALGORITHMS, make_rule
 from gossip.faults import parse_faults
-from gossip.mixing.adversary import ScaledSender, parse_byzantine
+from gossip.mixing.adversary import parse_byzantine
 from gossip.membership import topology_for
-from gossip.mixing.policy import build_policies, parse_link_policies
+from gossip.mixing.settings import MixingSettings, build_rules, with_mixing_options
 from gossip.node import Node, NodeConfig, init_model
 from gossip.progress import ProgressBar
 from gossip.simulator import Simulator, parse_compute, parse_slow
@@ -30,28 +30,27 @@ from gossip.state import FlatState
 from gossip.tasks import get_task
 from gossip.transport.sim import LAN, WAN, SimNetwork, parse_link
 
-__all__ = ["SimConfig", "Simulation", "SimulationResult", "simulate", "consensus_distance", "average_params"]
+__all__ = ["SimConfig", "MixingSettings", "Simulation", "SimulationResult", "simulate", "consensus_distance", "average_params"]
 
 
+@with_mixing_options
 @dataclass(frozen=True)
 class SimConfig:
     """Everything that defines a simulated run. Every field has a sensible default.
 
-    The run is a pure function of this config: same config, same numbers.
+    The mixing options live in ``mixing`` (a :class:`~gossip.mixing.settings.MixingSettings`);
+    they may be given flat, ``SimConfig(compression="topk:0.01", period=4)``, and are
+    merged into it at construction. The run is a pure function of this config: same
+    config, same numbers.
     """
 
     # what is trained, by how many nodes, on which graph
     nodes: int = 8
     topology: Any = "ring"           # a spec string (see topologies.build) or a networkx graph
-    algorithm: str = "gossip"        # gossip | choco | naive | push-sum (gossip + a lossy codec is CHOCO)
-    compression: str = "none"        # codec spec (see gossip.compression)
-    gamma: float | str | None = None  # CHOCO step size in (0, 1]; None: the codec's default; "auto": tuned
-    period: int = 1                  # local steps between exchanges
-    asynchronous: bool = False       # never wait for neighbours (staleness-weighted mixing)
-    staleness: str | None = None     # decay of stale messages: constant | poly:A | hinge:A,B | exp:A
-    overlap: bool = False            # a synchronous round travels while the next local steps compute
-    link_policy: Any = None          # per link class: {"inter": "period=20,codec=topk:0.01,async"} or CLI strings
-    clip: Any = None                 # robust mixing: clip each neighbour's difference to a radius (or "auto")
+    # how nodes mix: one MixingSettings; its options (algorithm, compression, gamma, period,
+    # asynchronous, staleness, overlap, clip, link_policy) are also accepted as flat keywords,
+    # SimConfig(period=4, compression="int8"), and read back flat (cfg.period)
+    mixing: MixingSettings | None = None
     byzantine: Any = None            # misbehaving nodes: {3: 1000} or "3=1000" (node 3 sends x1000)
     task: Any = "synthetic"          # synthetic | digits | module:attr | a task object
     split: str = "iid"               # iid | dirichlet:ALPHA
@@ -69,14 +68,11 @@ class SimConfig:
     eval_every: int = 0              # local steps between evaluations (0: about 20 points per run)
     device: str = "cpu"
     threads: int = 1                 # torch intra-op threads during the run (small models are fastest on 1)
+    engine: str = "auto"             # local steps: auto | batched (one vectorised call) | per-node (gossip.batched)
 
     def __post_init__(self) -> None:
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
             raise ValueError(f"nodes must be a positive integer, got {self.nodes!r}")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; valid: {', '.join(ALGORITHMS)}")
-        if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
-            raise ValueError(f"period must be a positive integer, got {self.period!r}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
             raise ValueError(f"steps must be a non-negative integer, got {self.steps!r}")
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
@@ -88,22 +84,19 @@ class SimConfig:
         parse_faults(self.faults, self.nodes)
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
+        parse_engine(self.engine)
         parse_split(self.split)
-        # a bad codec, gamma, staleness or pairing fails here, not at the first round
-        make_rule(self.algorithm, self.compression, gamma=self.gamma, asynchronous=self.asynchronous,
-                  staleness=self.staleness, clip=self.clip)
+        # the mixing settings were checked when they were made (a bad codec, gamma,
+        # staleness or pairing fails there, not at the first round)
         parse_byzantine(self.byzantine, self.nodes)
-        build_policies(parse_link_policies(self.link_policy), **self.rule_settings())
-
-    def rule_settings(self) -> dict[str, Any]:
-        """The run-wide mixing settings that link policies default to."""
-        return {"algorithm": self.algorithm, "codec": self.compression, "period": self.period, "gamma": self.gamma,
-                "asynchronous": self.asynchronous, "staleness": self.staleness}
 
     def to_dict(self) -> dict[str, Any]:
-        out = {}
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "mixing":
+                out.update(v.to_dict())
+                continue
             out[f.name] = v if isinstance(v, (int, float, str, type(None))) else repr(v)
         return out
 
@@ -130,15 +123,33 @@ class SimulationResult:
         raise AttributeError(name)
 
 
+_BLOCK = 256  # nodes stacked at a time: a copy of every replica at once would cost more than the replicas
+
+
 def average_params(flats: list[torch.Tensor]) -> torch.Tensor:
     """The exact average x_bar of the nodes' parameters."""
-    return torch.stack([f.detach() for f in flats]).mean(0)
+    if len(flats) <= _BLOCK:
+        return torch.stack([f.detach() for f in flats]).mean(0)
+    total = torch.zeros_like(flats[0], dtype=torch.float64)
+    for lo in range(0, len(flats), _BLOCK):
+        total += torch.stack([f.detach() for f in flats[lo:lo + _BLOCK]]).sum(0, dtype=torch.float64)
+    return (total / len(flats)).to(flats[0].dtype)
 
 
 def consensus_distance(flats: list[torch.Tensor]) -> float:
     """(1/n) sum_i ||x_i - x_bar||^2, computed in float64."""
-    X = torch.stack([f.detach().double() for f in flats])
-    return float(((X - X.mean(0)) ** 2).sum(1).mean())
+    if len(flats) <= _BLOCK:
+        X = torch.stack([f.detach().double() for f in flats])
+        return float(((X - X.mean(0)) ** 2).sum(1).mean())
+    mean = torch.zeros_like(flats[0], dtype=torch.float64)
+    for lo in range(0, len(flats), _BLOCK):
+        mean += torch.stack([f.detach() for f in flats[lo:lo + _BLOCK]]).sum(0, dtype=torch.float64)
+    mean /= len(flats)
+    total = 0.0
+    for lo in range(0, len(flats), _BLOCK):
+        X = torch.stack([f.detach() for f in flats[lo:lo + _BLOCK]]).double()
+        total += float(((X - mean) ** 2).sum())
+    return total / len(flats)
 
 
 class _Recorder:
@@ -211,14 +222,10 @@ class _Recorder:
 def build_node(cfg: SimConfig, task: Any, topology: Any, i: int, members: list[int]) -> Node:
     """Simulated node ``i``: id i, data shard i, mixing rules of its own."""
     # in-process peers run this same node code and never send non-finite values
-    node_cfg = NodeConfig(cfg.steps, cfg.period, float(cfg.timeout), check_payloads=False, overlap=cfg.overlap)
-    factor = parse_byzantine(cfg.byzantine, cfg.nodes).get(i)
-    if factor is not None:
-        rule: Any = ScaledSender(factor)  # the misbehaving node of a robustness experiment
-    else:
-        rule = make_rule(cfg.algorithm, cfg.compression, gamma=cfg.gamma, topology=topology,
-                         asynchronous=cfg.asynchronous, staleness=cfg.staleness, clip=cfg.clip)
-    per_class = build_policies(parse_link_policies(cfg.link_policy), **cfg.rule_settings(), topology=topology)
+    mixing = cfg.mixing
+    node_cfg = NodeConfig(cfg.steps, mixing.period, float(cfg.timeout), check_payloads=False, overlap=mixing.overlap)
+    # a misbehaving node of a robustness experiment sends scaled parameters on every link class
+    rule, per_class = build_rules(mixing, topology, sender_scale=parse_byzantine(cfg.byzantine, cfg.nodes).get(i))
     return Node(i, members, topology, task, rule, node_cfg, seed=cfg.seed, split=cfg.split, rank=i,
                 world_size=cfg.nodes, device=cfg.device, policies=per_class)
 
@@ -262,6 +269,8 @@ class Simulation:
         self.network = SimNetwork(links, self.topology.link, seed=cfg.seed)
         with _threads(cfg.threads):
             self.nodes = build_nodes(cfg, self.task, self.topology)
+            # the batched engine moves every node's parameters onto a row of one matrix
+            self.batched, self.engine_note = choose_engine(cfg.engine, self.task, self.nodes, compute.kind == "measured")
             self._close = False
             if out is None or hasattr(out, "write"):
                 self._out: IO[str] | None = out  # type: ignore[assignment]
@@ -286,7 +295,7 @@ class Simulation:
 
             self.sim = Simulator(self.nodes, self.network, compute, seed=cfg.seed, on_step=self.recorder.on_step,
                                  step_every=every, faults=parse_faults(cfg.faults, cfg.nodes), make_node=make_node,
-                                 topology_for=topology_of, detect=float(cfg.detect))
+                                 topology_for=topology_of, detect=float(cfg.detect), batched=self.batched)
             self.recorder.sim = self.sim
 
     @property
@@ -323,6 +332,7 @@ class Simulation:
             "period": cfg.period,
             "asynchronous": cfg.asynchronous,
             "overlap": cfg.overlap,
+            "outer": str(cfg.mixing.outer),
             "task": cfg.task if isinstance(cfg.task, str) else type(cfg.task).__name__,
             "split": str(parse_split(cfg.split)),
             "steps": cfg.steps,
@@ -337,10 +347,11 @@ class Simulation:
             "bytes_intra": network.bytes_by_class.get("intra", 0),
             "bytes_inter": network.bytes_by_class.get("inter", 0),
             "messages_lost": network.lost,
-            "clipped": sum(getattr(n.rule, "clipped", 0) for n in nodes),
+            "clipped": sum(getattr(ch.rule, "clipped", 0) for n in nodes for ch in n.channels),
             "faults": [f"{t:.3f}s {what}" for t, what in sim.fault_log],
             "missing_neighbors": sum(n.mix_totals.missing for n in nodes),
             "rejected": sum(sum(n.rejected.values()) for n in nodes),
+            "engine": "per-node" if self.batched is None else "batched",
             "sim_time_s": sim.now,
             "wall_time_s": time.perf_counter() - self.wall_start,
         }

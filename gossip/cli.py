@@ -13,7 +13,7 @@ import math
 import sys
 from typing import Any, Sequence
 
-__all__ = ["sim_main", "build_sim_parser", "node_main", "build_node_parser"]
+__all__ = ["sim_main", "build_sim_parser", "node_main", "build_node_parser", "mixing_settings"]
 
 EXIT_USAGE = 2
 
@@ -69,16 +69,20 @@ def _gamma(text: str) -> float | str:
     return v
 
 
-def _float_arg(name: str, text: str) -> float:
+def mixing_settings(options: Any) -> Any:
+    """The one :class:`~gossip.mixing.settings.MixingSettings` of a command line (flags and
+    TOML keys merged): an argparse namespace or a dict, read for the mixing options only.
+    A bad value raises ValueError naming the flag."""
+    from gossip.mixing.settings import MIXING_OPTIONS, MixingSettings, OptionError
+
+    values = options if isinstance(options, dict) else vars(options)
+    flat = {k: values[k] for k in MIXING_OPTIONS if values.get(k) is not None}
+    if "link_policy" in flat:
+        flat["link_policy"] = tuple(flat["link_policy"])
     try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"{name} must be a number or 'auto', got {text!r}") from None
-
-
-def _clip_arg(text: str | None) -> float | str | None:
-    """``--clip``: a radius or "auto" (the rule checks the value)."""
-    return text if text is None or text == "auto" else _float_arg("--clip", text)
+        return MixingSettings(**flat)
+    except OptionError as e:
+        raise ValueError(e.for_cli()) from None
 
 
 def add_progress_args(p: argparse.ArgumentParser) -> None:
@@ -117,10 +121,14 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="let a round's messages travel while the next local steps compute")
     p.add_argument("--link-policy", action="append", default=None, metavar="CLASS:OPTIONS",
                    help="per link class (intra, inter): period=K, codec=C, algorithm=A, gamma=G, staleness=D, "
-                        "async|sync; e.g. inter:period=20,codec=topk:0.01,async (repeatable)")
+                        "clip=TAU|auto|none, outer=SPEC, async|sync (options left out are the run's own); e.g. inter:period=20,codec=topk:0.01,async (repeatable)")
     p.add_argument("--clip", default=None, metavar="TAU|auto",
                    help="robust mixing: clip each neighbour's difference to radius TAU, or 'auto' (the lower "
                         "median of the neighbours' distances)")
+    p.add_argument("--outer", default=None, metavar="SPEC",
+                   help="outer optimizer on each exchange (pseudo-gradient = parameters at the last exchange - "
+                        "mixed parameters now): sgd:lr=1 (the default: plain gossip), nesterov:lr=0.7,momentum=0.9 "
+                        "(DiLoCo), noloco[:lr=0.7,momentum=0.5] (NoLoCo); also per link class in --link-policy")
     p.add_argument("--task", default="synthetic", metavar="TASK",
                    help="synthetic, digits (needs scikit-learn), or module:attr; built-ins take options, "
                         "e.g. digits:lr=0.1,batch_size=64 (default: synthetic)")
@@ -159,6 +167,10 @@ def build_sim_parser() -> argparse.ArgumentParser:
                    help="crash:N@T, join:N@T or partition:A|B@T1-T2 (node groups like 0-3,7; repeatable)")
     p.add_argument("--detect", type=float, default=3.0, metavar="SEC",
                    help="seconds before survivors act on a crash or partition (default: 3)")
+    p.add_argument("--engine", default="auto", metavar="auto|batched|per-node",
+                   help="how local steps run: batched = all nodes' steps due together as one vectorised call "
+                        "(tasks that allow it), per-node = one model at a time, auto = batched when the task, "
+                        "model and optimizer allow it (default: auto)")
     p.add_argument("--out", default=None, metavar="FILE.jsonl", help="write metrics as JSON lines")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write the metrics as TensorBoard scalars in DIR (needs the tensorboard extra)")
@@ -191,15 +203,11 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
     from gossip.api import SimConfig, simulate
 
     try:
-        cfg = SimConfig(nodes=args.nodes, topology=args.topology, algorithm=args.algorithm,
-                        compression=args.compression, gamma=args.gamma, period=args.period,
-                        asynchronous=args.asynchronous, staleness=args.staleness, overlap=args.overlap,
-                        link_policy=args.link_policy, task=args.task,
+        cfg = SimConfig(nodes=args.nodes, topology=args.topology, mixing=mixing_settings(args), task=args.task,
                         split=args.split, steps=args.steps, seed=args.seed, link=args.link, inter_link=args.inter_link,
                         compute=args.compute, slow=args.slow, timeout=args.timeout, eval_every=args.eval_every,
                         faults=args.fault, detect=args.detect, byzantine=args.byzantine,
-                        clip=_clip_arg(args.clip),
-                        device=args.device)
+                        device=args.device, engine=args.engine)
         out: Any = args.out
         if args.tensorboard:  # the JSONL records, also as TensorBoard scalars
             from gossip.tensorboard_log import open_metrics
@@ -233,9 +241,10 @@ NODE_FLAGS = {
     "period": int, "task": str, "split": str, "steps": int, "seed": int, "rank": int, "world_size": int,
     "device": str, "dc": str, "timeout": float, "heartbeat": float, "dead_after": float, "settle": float,
     "join_timeout": float, "join_margin": int, "grace": float, "checkpoint_dir": str, "checkpoint_every": int,
-    "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": float,
+    "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": (float, str),
     "threads": int, "emulate": list, "curve_keys": str, "peers_file": str, "slurm": bool, "slurm_port": int,
-    "progress": bool, "tensorboard": str, "clip": str, "asynchronous": bool, "staleness": str, "overlap": bool, "link_policy": list,
+    "progress": bool, "tensorboard": str, "clip": (float, str), "asynchronous": bool, "staleness": str, "overlap": bool, "link_policy": list,
+    "outer": str,
 }
 
 
@@ -317,14 +326,15 @@ def _load_toml(path: str) -> dict[str, Any]:
         if dest not in NODE_FLAGS or dest == "config":
             raise ValueError(f"config {path}: unknown option {key!r}; valid: "
                              + ", ".join(sorted(k.replace('_', '-') for k in NODE_FLAGS)))
-        want = NODE_FLAGS[dest]
+        wants = NODE_FLAGS[dest] if isinstance(NODE_FLAGS[dest], tuple) else (NODE_FLAGS[dest],)
         if dest == "peers" and isinstance(value, list):
             value = ",".join(map(str, value))
-        ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = isinstance(value, wants) and not (bool not in wants and isinstance(value, bool))
+        if float in wants and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
         if not ok:
-            raise ValueError(f"config {path}: option {key!r} must be {want.__name__}, got {value!r}")
+            raise ValueError(f"config {path}: option {key!r} must be {' or '.join(w.__name__ for w in wants)}, "
+                             f"got {value!r}")
         out[dest] = value
     return out
 
@@ -377,22 +387,16 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
     if not merged.get("listen"):
         raise ValueError("--listen tcp://HOST:PORT is required (flag or config file)")
     peers = _own_peers(peers, merged["listen"], merged.get("advertise"))
-    options = {"gamma": merged["gamma"]} if merged.get("gamma") is not None else {}
-    if merged.get("clip") is not None:
-        options["clip"] = _clip_arg(str(merged["clip"]))
     cfg = PeerConfig(listen=merged["listen"], peers=peers, advertise=merged.get("advertise"),
-                     topology=merged["topology"], algorithm=merged["algorithm"], compression=merged["compression"],
-                     period=merged["period"], task=merged["task"], split=merged["split"], steps=merged["steps"],
+                     topology=merged["topology"], mixing=mixing_settings(merged), task=merged["task"], split=merged["split"], steps=merged["steps"],
                      seed=merged["seed"], rank=merged.get("rank"), world_size=merged.get("world_size"),
                      device=merged["device"], dc=merged["dc"], timeout=merged["timeout"],
                      heartbeat=merged["heartbeat"], dead_after=merged["dead_after"], settle=merged["settle"],
                      join_timeout=merged["join_timeout"], join_margin=merged["join_margin"], grace=merged["grace"],
                      checkpoint_dir=merged.get("checkpoint_dir"), checkpoint_every=merged["checkpoint_every"],
                      resume=bool(merged.get("resume")), log=merged.get("log"), eval_every=merged["eval_every"],
-                     max_message_mb=merged["max_message_mb"], options=options, curve_keys=merged.get("curve_keys"),
-                     emulate=tuple(merged.get("emulate") or ()), asynchronous=bool(merged.get("asynchronous")),
-                     staleness=merged.get("staleness"), overlap=bool(merged.get("overlap")),
-                     link_policy=tuple(merged.get("link_policy") or ()), tensorboard=merged.get("tensorboard"))
+                     max_message_mb=merged["max_message_mb"], curve_keys=merged.get("curve_keys"),
+                     emulate=tuple(merged.get("emulate") or ()), tensorboard=merged.get("tensorboard"))
     args.json = bool(merged.get("json"))
     args.progress = merged.get("progress")
     args.threads = merged.get("threads")

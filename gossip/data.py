@@ -124,6 +124,8 @@ class BatchStream:
         self.generator = torch.Generator().manual_seed(seed)
         self.device = torch.device(device)
         self._order = torch.empty(0, dtype=torch.long)
+        self._order_len = 0  # len(self._order), len(self.shard): kept as ints (a tensor's len() is slow)
+        self._len = len(self.shard)
         self._pos = 0
         self.epoch = 0
 
@@ -131,13 +133,21 @@ class BatchStream:
         return len(self.shard)
 
     def next(self) -> tuple[torch.Tensor, ...]:
-        if self._pos + self.batch_size > len(self._order):
-            self._order = self.shard[torch.randperm(len(self.shard), generator=self.generator)]
-            self._pos = 0
-            self.epoch += 1
-        idx = self._order[self._pos : self._pos + self.batch_size]
-        self._pos += self.batch_size
+        idx = self.next_indices()
         return tuple(t[idx].to(self.device, non_blocking=True) for t in self.tensors)
+
+    def next_indices(self) -> torch.Tensor:
+        """The rows of :attr:`tensors` that :meth:`next` would return, advancing the
+        stream just as it does (a driver that gathers many nodes' batches at once
+        indexes the shared tensors itself)."""
+        pos, size = self._pos, self.batch_size
+        if pos + size > self._order_len:
+            self._order = self.shard[torch.randperm(self._len, generator=self.generator)]
+            self._order_len = self._len
+            pos = 0
+            self.epoch += 1
+        self._pos = pos + size
+        return self._order[pos : pos + size]
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "order": self._order.clone(), "pos": self._pos, "epoch": self.epoch}
@@ -145,5 +155,6 @@ class BatchStream:
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
         self._order = state["order"].clone()
+        self._order_len = len(self._order)
         self._pos = int(state["pos"])
         self.epoch = int(state["epoch"])

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Generator, Sequence
@@ -151,6 +151,24 @@ def _links_of(topology: Any, link: str) -> Any:
     return per[link]
 
 
+_member_tables: "OrderedDict[tuple, tuple[list[Any], dict[Any, int]]]" = OrderedDict()
+
+
+def _member_table(members: Sequence[Any]) -> tuple[list[Any], dict[Any, int]]:
+    """A member list and its index (member -> position), shared by every node of this
+    process that adopts the same list: a simulation of n nodes would otherwise hold
+    n copies of an n-long list and dict, memory quadratic in n. Both are read-only."""
+    key = tuple(members)
+    table = _member_tables.get(key)
+    if table is None:
+        table = _member_tables[key] = (list(key), {m: i for i, m in enumerate(key)})
+        if len(_member_tables) > 16:  # the lists of a few recent memberships are enough
+            _member_tables.popitem(last=False)
+    else:
+        _member_tables.move_to_end(key)
+    return table
+
+
 def init_model(task: Any, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The task's model initialised under ``seed``: every node gets the same start."""
     with torch.random.fork_rng(devices=[]):
@@ -212,6 +230,7 @@ class Node:
         else:
             raise ValueError("a node needs a task, or a model for a training loop of your own")
         self.state = FlatState(self.model)
+        self._rules_adopt()  # an outer optimizer's anchor: the starting parameters
         self.fingerprint = self.state.fingerprint  # checked against every arriving message
         self.numel = self.state.numel
         self.step = 0
@@ -237,8 +256,7 @@ class Node:
         Call between rounds. Messages already received are re-keyed to the new
         indices; those from nodes no longer members are dropped.
         """
-        members = list(members)
-        index_of = {m: i for i, m in enumerate(members)}
+        members, index_of = _member_table(members)
         if self.id not in index_of:
             raise ValueError(f"node {self.id!r} is not in its own member list")
         if self.members and members != self.members:
@@ -276,6 +294,56 @@ class Node:
         self.settle()
         self.state.load_(values)
         self._good = self.state.snapshot()
+        self._rules_adopt()
+
+    def _rules_adopt(self) -> None:
+        for ch in self.channels:
+            hook = getattr(ch.rule, "on_adopt", None)
+            if hook is not None:
+                hook(self.state.flat)
+
+    def outer_state(self) -> list[dict[str, Any] | None]:
+        """Per channel, the outer optimizer state a joiner takes with the parameters (None: no outer)."""
+        return [ch.rule.outer_state() if hasattr(ch.rule, "outer_state") else None for ch in self.channels]
+
+    def load_outer_state(self, states: list[dict[str, Any] | None]) -> None:
+        """Take a member's :meth:`outer_state` (after :meth:`adopt` of its parameters)."""
+        for ch, st in zip(self.channels, states):
+            if st is not None and hasattr(ch.rule, "load_outer_state"):
+                ch.rule.load_outer_state(st)
+
+    def handover(self) -> tuple[torch.Tensor, dict[str, Any]]:
+        """What a joiner pulls from this node, as one flat payload: the parameters, then the
+        momentum of each outer optimizer that has one; ``extra["outer"]`` lists their channels."""
+        flat = self.state.snapshot()
+        parts, channels = [flat], []
+        for k, st in enumerate(self.outer_state()):
+            if st is not None and st.get("momentum") is not None:
+                parts.append(st["momentum"].to(device=flat.device, dtype=flat.dtype))
+                channels.append(k)
+        return (torch.cat(parts) if channels else flat), ({"outer": channels} if channels else {})
+
+    def handover_numel(self, extra: Any) -> int | None:
+        """The payload size of a :meth:`handover` described by ``extra`` (a message's, so
+        checked), or None when ``extra`` cannot describe one for this node."""
+        channels = extra.get("outer", []) if isinstance(extra, dict) else []
+        if not isinstance(channels, list) or len(set(channels)) != len(channels) \
+                or any(type(k) is not int or not 0 <= k < len(self.channels) for k in channels):
+            return None
+        return self.numel * (1 + len(channels))
+
+    def adopt_handover(self, values: torch.Tensor, extra: Any) -> None:
+        """Take a member's :meth:`handover` (checked by :meth:`handover_numel`): its parameters,
+        and its outer momentum for the channels that have an outer optimizer here too."""
+        n = self.numel
+        self.adopt(values[:n])
+        states: list[dict[str, Any] | None] = [None] * len(self.channels)
+        for i, k in enumerate(extra.get("outer", []) if isinstance(extra, dict) else []):
+            states[k] = {"momentum": values[n * (i + 1):n * (i + 2)].clone()}
+        if any(st is not None for st in states):
+            log.info("node %s: took the outer momentum of channel(s) %s with the parameters", self.id,
+                     ", ".join(self.channels[k].name for k, st in enumerate(states) if st is not None))
+        self.load_outer_state(states)
 
     def align(self, rnd: int) -> None:
         """Continue from round ``rnd`` at the next exchange if behind it (groups that
@@ -406,8 +474,14 @@ class Node:
         return [self.members[j] for j in ch.rule.expected_senders(ch.topology, self.index, rnd)
                 if not ch.inbox.has_round(j, rnd)]
 
+    #: set by a driver that runs many nodes' local steps as one vectorised call (the
+    #: simulator's batched engine, :class:`gossip.batched.BatchedSteps`): ``local_step``
+    #: then only asks it to, and it calls :meth:`count_step` and :meth:`after_update`
+    stepper: Any = None
+
     def local_step(self) -> float:
-        """One optimizer step on the next local minibatch; returns the loss.
+        """One optimizer step on the next local minibatch; returns the loss (nan when
+        :attr:`stepper` runs it later).
 
         NaN guard: a non-finite loss means the parameters (or the data) went bad,
         by divergence or by mixing in something hostile. The update is skipped, the
@@ -416,22 +490,35 @@ class Node:
         never sends non-finite values and carries on.
         """
         self.settle()
+        if self.stepper is not None:  # run later, in one call with the other nodes' steps due
+            self.stepper.defer(self)
+            return math.nan
         batch = self.stream.next()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.task.loss(self.model, batch)
         value = float(loss.detach())
+        if self.count_step(value):
+            loss.backward()
+            self.optimizer.step()
+            self.after_update()
+        return value
+
+    def count_step(self, value: float) -> bool:
+        """Count one local step whose loss was ``value``. False when it is not finite:
+        the update must be skipped (the last good parameters are back already)."""
         self.step += 1
         if not math.isfinite(value):
             self._recover(value)
-            return value
-        loss.backward()
-        self.optimizer.step()
-        if self.step % GUARD_EVERY == 0:
-            self._good = self.state.snapshot()
+            return False
         self.last_loss = value
         self.loss_sum += value
         self.loss_count += 1
-        return value
+        return True
+
+    def after_update(self) -> None:
+        """The optimizer has applied a counted step: keep the NaN guard's restore point fresh."""
+        if self.step % GUARD_EVERY == 0:
+            self._good = self.state.snapshot()
 
     def _recover(self, value: float) -> None:
         self.nonfinite_steps += 1

@@ -43,8 +43,7 @@ from gossip.compression import get_codec
 from gossip.control import ControlPlane
 from gossip.membership import Membership, parse_address, topology_for
 from gossip.message import Message
-from gossip.mixing import ALGORITHMS, make_rule
-from gossip.mixing.policy import build_policies, parse_link_policies
+from gossip.mixing.settings import MixingSettings, build_rules, with_mixing_options
 from gossip.mixing.base import all_finite, decode_payload
 from gossip.node import Compute, Node, NodeConfig, Release, Send, Wait, init_model
 from gossip.security import load_curve
@@ -102,6 +101,7 @@ def emulated_links(specs: tuple[str, ...] | list[str]) -> dict[str, LinkModel] |
     return links
 
 
+@with_mixing_options
 @dataclass(frozen=True)
 class PeerConfig:
     """Everything a real node needs; :mod:`gossip.cli` fills it from flags or a TOML file."""
@@ -110,9 +110,10 @@ class PeerConfig:
     peers: tuple[str, ...] = ()          # seeds HOST:PORT: any existing members
     advertise: str | None = None         # HOST:PORT others reach us at (default: listen)
     topology: str = "ring"
-    algorithm: str = "gossip"
-    compression: str = "none"
-    period: int = 1
+    # how the node mixes: one MixingSettings; its options (algorithm, compression, gamma, period,
+    # asynchronous, staleness, overlap, clip, link_policy) are also accepted as flat keywords
+    # (and the older options={"gamma": ...}) and read back flat (cfg.period)
+    mixing: MixingSettings | None = None
     task: Any = "synthetic"
     split: str = "iid"
     steps: int = 200
@@ -134,11 +135,6 @@ class PeerConfig:
     log: str | None = None               # JSON-lines metrics file
     eval_every: int = 0                  # local steps between evaluations in the metrics log (0: steps/10)
     max_message_mb: float = 0.0          # incoming size cap in MiB (0: twice the model + 1 MiB)
-    options: dict = field(default_factory=dict)  # extra mixing-rule options (e.g. gamma)
-    asynchronous: bool = False           # never wait for neighbours (staleness-weighted mixing)
-    staleness: str | None = None         # decay of stale messages (with asynchronous)
-    overlap: bool = False                # a round travels while the next local steps compute
-    link_policy: tuple[str, ...] = ()    # per link class: "inter:period=20,codec=topk:0.01,async"
     emulate: tuple[str, ...] = ()        # link emulation: "CLASS:latency=50ms,bandwidth=100Mbit,loss=0,drop=N"
     curve_keys: str | None = None        # CurveZMQ key directory (see gossip.security); None: no encryption
     tensorboard: str | None = None       # TensorBoard directory: scalars of the metrics in DIR/<node id>/
@@ -149,13 +145,6 @@ class PeerConfig:
             parse_address(self.advertise, "--advertise")
         for p in self.peers:
             parse_address(p, "--peers entry")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; valid: {', '.join(ALGORITHMS)}")
-        get_codec(self.compression)
-        for name in ("period",):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         for name in ("steps", "checkpoint_every", "eval_every", "join_margin"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -184,9 +173,6 @@ class PeerConfig:
             from gossip.tensorboard_log import require_tensorboard
 
             require_tensorboard()  # the install command, before anything starts
-        make_rule(self.algorithm, self.compression, asynchronous=self.asynchronous, staleness=self.staleness,
-                  **self.options)
-        build_policies(parse_link_policies(self.link_policy), **self.rule_settings())
         from gossip.data import parse_split
         from topologies import SPEC_NAMES
 
@@ -194,11 +180,17 @@ class PeerConfig:
         name = self.topology.split(":", 1)[0].strip().lower().replace("_", "-") if isinstance(self.topology, str) else ""
         if isinstance(self.topology, str) and name not in SPEC_NAMES:
             raise ValueError(f"unknown topology {self.topology!r}; valid: {', '.join(SPEC_NAMES)}")
+        if isinstance(self.topology, str):
+            # the rules checked against the graph now (CHOCO needs a static one), not at the first round;
+            # the cluster's size is not known yet, so on the graph of world_size members, or of 8
+            from topologies import build
 
-    def rule_settings(self) -> dict[str, Any]:
-        """The run-wide mixing settings that link policies default to."""
-        return {"algorithm": self.algorithm, "codec": self.compression, "period": self.period,
-                "gamma": self.options.get("gamma"), "asynchronous": self.asynchronous, "staleness": self.staleness}
+            try:
+                probe = build(self.topology, self.world_size or 8, seed=self.seed)
+            except ValueError:
+                probe = None  # a spec for a fixed size (hierarchical:4,4, torus:3x3): checked at the start
+            if probe is not None:
+                build_rules(self.mixing, probe)
 
     @property
     def node_id(self) -> str:
@@ -275,7 +267,12 @@ class Peer:
         self._incarnations: dict[str, int | None] = {}  # sender -> the life whose sequence numbers we track
         self._metrics = None
         self.on_step: Any = None  # called with this peer after every training step (gossip-node's progress bar)
-        cap = config.max_message_mb * 2**20 if config.max_message_mb else 2 * self.model_bytes + 2**20
+        # a state-reply carries the parameters and each outer optimizer's momentum
+        mixing = config.mixing
+        momenta = sum(1 for c in ("intra", "inter") if mixing.for_link(c).outer.momentum > 0) \
+            if mixing.link_policy else int(mixing.outer.momentum > 0)
+        copies = max(2, 1 + momenta)
+        cap = config.max_message_mb * 2**20 if config.max_message_mb else copies * self.model_bytes + 2**20
         self.control = ControlPlane(self.id, self.incarnation, self.fingerprint, config.dc, self.membership,
                                     self.lock, self._send_message, self.inbound.put, self._progress,
                                     heartbeat=config.heartbeat, seeds=tuple(parse_address(p) for p in config.peers),
@@ -441,13 +438,12 @@ class Peer:
                 members = sorted([*members, self.id], key=self.membership.order_key)
         rank, world = (cfg.rank, cfg.world_size) if cfg.world_size is not None else (members.index(self.id),
                                                                                      len(members))
-        rule = make_rule(cfg.algorithm, cfg.compression, asynchronous=cfg.asynchronous, staleness=cfg.staleness,
-                         **cfg.options)
-        policies = build_policies(parse_link_policies(cfg.link_policy), **cfg.rule_settings())
-        node_cfg = NodeConfig(cfg.steps, cfg.period, float(cfg.timeout), check_payloads=True, overlap=cfg.overlap,
-                              live_sends=self.transport.holds_sends)
+        topology = self._topology_for(members)
+        rule, policies = build_rules(cfg.mixing, topology)  # checked on this graph, on every link class
+        node_cfg = NodeConfig(cfg.steps, cfg.mixing.period, float(cfg.timeout), check_payloads=True,
+                              overlap=cfg.mixing.overlap, live_sends=self.transport.holds_sends)
         self.rank, self.world_size = rank, world
-        self.node = Node(self.id, members, self._topology_for(members), self.task, rule, node_cfg, seed=cfg.seed,
+        self.node = Node(self.id, members, topology, self.task, rule, node_cfg, seed=cfg.seed,
                          split=cfg.split, rank=rank, world_size=world, device=self.device, model=self.user_model,
                          optimizer=self.user_optimizer, policies=policies)
         if mode == "join":
@@ -557,10 +553,11 @@ class Peer:
             while self.clock() < deadline and not self._state_replies:
                 self._service(0.05)
             for reply in self._state_replies:
-                if reply.sender == donor and reply.data is not None and reply.data.numel == node.state.numel:
+                if reply.sender == donor and reply.data is not None \
+                        and reply.data.numel == node.handover_numel(reply.extra):
                     values = decode_payload(reply, node.state.flat)
                     if all_finite(values):
-                        node.adopt(values)
+                        node.adopt_handover(values, reply.extra)  # parameters, and any outer momentum
                         # a joiner that fell behind (slow start, a busy machine) starts at the
                         # donor's round: the cluster went on without it, and its members drop
                         # messages of rounds they have finished
@@ -834,10 +831,10 @@ class Peer:
         elif msg.kind == "state-request":
             if node is None or self.status == "waiting":
                 return
-            snap = node.state.snapshot()
+            snap, extra = node.handover()  # the parameters, and any outer optimizer's momentum
             weight = getattr(node.rule, "weight", None)
             reply = Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
-                            weight, {"inc": self.incarnation}, self.fingerprint)
+                            weight, {"inc": self.incarnation, **extra}, self.fingerprint)
             self._send_message(msg.sender, reply)
         elif msg.kind == "state-reply":
             # wanted only while a joiner pulls a state, and a few at most: each holds a whole model

@@ -111,6 +111,41 @@ def parse_slow(spec: str | dict[int, float] | None) -> dict[int, float]:
     return out
 
 
+def _int_bytes(v: Any) -> int:
+    """Which msgpack width a non-negative int takes (-1: not one, do not memoise)."""
+    if type(v) is not int or v < 0:
+        return -1
+    return 0 if v < 128 else 1 if v < 256 else 2 if v < 65536 else 3 if v < 4294967296 else 4
+
+
+class MessageSizes:
+    """:func:`gossip.wire.message_size`, memoised by everything that decides it.
+
+    A message's size depends on the lengths of its header fields, not on their
+    values: the same strings, the same payload size and integers of the same
+    msgpack width (a push-sum weight is always a 9-byte float) give the same
+    bytes. Messages with codec metadata or extra fields (CHOCO's numbering and
+    resync requests) are measured every time.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[tuple, int] = {}
+
+    def __call__(self, msg: Any) -> int:
+        data = msg.data
+        if data is None or data.meta or msg.extra or len(data.buffers) != 1:
+            return message_size(msg)
+        widths = (_int_bytes(msg.seq), _int_bytes(msg.round), _int_bytes(msg.progress))
+        if -1 in widths:
+            return message_size(msg)
+        key = (msg.kind, msg.sender, msg.fingerprint, msg.weight is None, data.codec, data.dtype, data.numel,
+               data.nbytes, widths)
+        size = self._known.get(key)
+        if size is None:
+            size = self._known[key] = message_size(msg)
+        return size
+
+
 class Simulator:
     """Advance ``nodes`` over ``network`` on one virtual clock.
 
@@ -127,6 +162,10 @@ class Simulator:
     topology_for : ``topology_for(ids)`` the graph over a member list
     detect : seconds before survivors act on a crash or partition (the failure
         detector's delay) and before a healed partition is noticed
+    batched : a :class:`gossip.batched.BatchedSteps` the nodes' local steps are
+        deferred to; the simulator runs the steps asked for (``flush``) before a
+        node that asked resumes, before ``on_step`` and a join look at the nodes,
+        and whenever :meth:`run` returns
 
     Membership is modelled the way real nodes behave: the running nodes that can
     reach each other form a group; after ``detect`` seconds every node of a
@@ -139,8 +178,11 @@ class Simulator:
     def __init__(self, nodes: Sequence[Node], network: SimNetwork, compute: ComputeModel, *, seed: int = 0,
                  on_step: Callable[["Simulator"], None] | None = None, step_every: int = 1,
                  faults: Sequence[Any] = (), make_node: Callable[[int], Node] | None = None,
-                 topology_for: Callable[[list[int]], Any] | None = None, detect: float = 3.0) -> None:
+                 topology_for: Callable[[list[int]], Any] | None = None, detect: float = 3.0,
+                 batched: Any = None) -> None:
         self.nodes = list(nodes)
+        self.batched = batched  # a gossip.batched.BatchedSteps running the nodes' local steps, or None
+        self._size_of = MessageSizes()
         self.network = network
         self.compute_time = compute.sampler(seed)
         self.measure = compute.kind == "measured"
@@ -211,17 +253,22 @@ class Simulator:
     def _join(self, i: int) -> None:
         if not self.down[i]:
             return
+        if self.batched is not None:
+            self.batched.flush()  # the donor's parameters and step count must be current
         group = [j for j in self._running() if self.network.reachable(i, j)]
         if self.life[i] > 0 or self._primed[i]:  # a crashed node restarts as a fresh process
             if self.make_node is None:
                 raise ValueError("a rejoining node needs make_node")
             self.nodes[i] = self.make_node(i)
+            if self.batched is not None:
+                self.batched.replace(i, self.nodes[i])
             self._gens[i] = self.nodes[i].program()
             self._primed[i] = False
         node = self.nodes[i]
         if group:  # pull a running neighbour's state: parameters, step, rounds
             donor = self.nodes[max(group, key=lambda j: (self.nodes[j].step, -j))]
             node.adopt(donor.state.flat)
+            node.load_outer_state(donor.outer_state())  # an outer optimizer's momentum goes with them
             # start where the donor's current round started, as a real joiner does: the
             # donor may already be part way through that round's local steps
             first = donor.channels[0]
@@ -287,7 +334,7 @@ class Simulator:
                 size, sized = 0, None
                 for dst, msg in action.messages:
                     if msg is not sized and (sized is None or not same_header_size(msg, sized)):
-                        size = message_size(msg)
+                        size = self._size_of(msg)
                     sized = msg
                     self.bytes_sent[i] += size
                     arrival = self.network.transmit(i, dst, size, now)
@@ -308,7 +355,15 @@ class Simulator:
 
     def run(self, until: float | None = None) -> None:
         """Process events until every node has finished (or simulated time ``until``)."""
+        try:
+            self._run(until)
+        finally:
+            if self.batched is not None:
+                self.batched.flush()  # whoever looks next sees every step asked for
+
+    def _run(self, until: float | None) -> None:
         events = self.events
+        batched = self.batched
         while events:
             if until is not None and events[0][0] > until:
                 self.now = until
@@ -333,8 +388,12 @@ class Simulator:
             self.now = t
             if kind == RESUME:
                 if data >= STEP:  # a local step just completed
+                    if batched is not None and batched.asked[i]:
+                        batched.flush()  # node i reads its parameters next: run the steps due
                     self.steps_done += 1
                     if self.on_step is not None and self.steps_done % self.step_every == 0:
+                        if batched is not None:
+                            batched.flush()
                         self.on_step(self)
                 self._advance(i)
             elif kind == DELIVER:

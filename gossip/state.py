@@ -133,15 +133,25 @@ class FlatState:
         """A copy of the current parameters (safe to send while training continues)."""
         return self.flat.detach().clone()
 
-    def rehome(self) -> None:
+    def rehome(self, into: torch.Tensor | None = None) -> None:
         """Move the parameters to fresh memory (same values), leaving :attr:`flat`'s
         old memory to whoever still reads it (a send in flight).
+
+        into : the memory to move to, a contiguous 1-D tensor of :attr:`numel`
+            values of the same dtype (a row of the simulator's stacked replicas,
+            :class:`gossip.replicas.ReplicaRows`); default: a fresh tensor
 
         Parameters keep their identity (an optimizer built over them keeps
         working); only their storage moves, as at construction.
         """
         old = self.flat
-        new = torch.empty_like(old)
+        if into is None:
+            new = torch.empty_like(old)
+        elif into.shape != old.shape or into.dtype != old.dtype or not into.is_contiguous():
+            raise ValueError(f"into must be a contiguous {old.dtype} tensor of shape {tuple(old.shape)}, "
+                             f"got {into.dtype} {tuple(into.shape)}")
+        else:
+            new = into
         with torch.no_grad():
             new.copy_(old)
             for s in self.slots:

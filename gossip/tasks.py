@@ -14,6 +14,12 @@ A task is a small object with five methods; write your own and pass it as
 ``evaluate(model, device)``
     held-out figures, a dict with at least ``loss`` (and ``accuracy`` when it makes sense)
 
+and may say ``batchable = True``: its ``loss`` is a pure function of the parameters
+and the batch that ``torch.func`` can vectorise (no random numbers, no in-place
+buffer updates, no ``.item()``) and its stream yields tuples of tensors, so the
+simulator may run many nodes' steps as one call (:mod:`gossip.batched`; a task
+that does not say so, or whose model or optimizer does not fit, runs per node).
+
 :class:`ClassificationTask` implements all of it for in-memory ``(X, y)`` data;
 the built-ins ``synthetic`` and ``digits`` are two of those.
 """
@@ -58,6 +64,9 @@ class Task:
     def evaluate(self, model: nn.Module, device: torch.device | str = "cpu") -> dict[str, float]:
         raise NotImplementedError  # pragma: no cover - protocol
 
+    #: whether the simulator may vectorise this task's local steps over nodes (see above)
+    batchable = False
+
 
 def mlp(sizes: list[int]) -> nn.Sequential:
     """A ReLU multi-layer perceptron with the given layer widths."""
@@ -81,6 +90,7 @@ class ClassificationTask(Task):
     """
 
     name = "classification"
+    batchable = True  # loss and stream suit the simulator's batched engine (gossip.batched)
 
     def __init__(self, train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torch.Tensor], *,
                  hidden: int | tuple[int, ...] = (64,), lr: float = 0.05, momentum: float = 0.9,

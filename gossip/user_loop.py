@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from gossip.mixing.settings import MixingSettings
 from gossip.peer import Peer, PeerConfig, PeerError
 
 __all__ = ["GossipNode"]
@@ -26,14 +27,17 @@ class GossipNode:
         node.close()
 
     The constructor joins the cluster (blocking until training starts, like
-    ``gossip-node``). Keyword options are :class:`PeerConfig` fields.
+    ``gossip-node``). Keyword options are :class:`PeerConfig` fields; how the
+    node mixes is ``mixing`` (a :class:`~gossip.mixing.settings.MixingSettings`)
+    or its options given flat (``period=4, compression="int8"``), merged into it.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, listen: str,
-                 peers: Any = (), **options: Any) -> None:
+                 peers: Any = (), mixing: MixingSettings | None = None, **options: Any) -> None:
         if isinstance(peers, str):
             peers = [p for p in peers.split(",") if p.strip()]
-        self.peer = Peer(PeerConfig(listen=listen, peers=tuple(peers), **options), model=model, optimizer=optimizer)
+        cfg = PeerConfig(listen=listen, peers=tuple(peers), mixing=mixing, **options)
+        self.peer = Peer(cfg, model=model, optimizer=optimizer)
         try:
             if not self.peer.start():
                 raise PeerError("stopped before training started")

@@ -39,6 +39,10 @@ SPECS = [
     "bf16",
     "int8",
     "int8:16",
+    "int4",
+    "int4:16",
+    "int2",
+    "int2:16",
     "topk:0.01",
     "topk:0.3",
     "randk:0.01",
@@ -717,3 +721,38 @@ def test_cuda_encode_matches_cpu_and_decodes_on_device(spec: str, dtype: str) ->
         else:
             assert [bytes(b) for b in gpu.buffers] == [bytes(b) for b in cpu.buffers]
             assert torch.equal(y_gpu.cpu(), y_cpu)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("block", [256, 16, 1, 300])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n", SIZES)
+def test_int4_int2_error_is_at_most_half_a_step_per_block(bits: int, block: int, dtype: str, n: int) -> None:
+    codec = get_codec(f"int{bits}:{block}")
+    q_max = 2 ** (bits - 1) - 1
+    x = sample(n, DTYPES[dtype])
+    enc, y = roundtrip(codec, x)
+    nblocks = -(-n // block)
+    assert enc.nbytes == -(-n * bits // 8) + 4 * nblocks == codec.wire_size(n, dtype)
+    scales = as_tensor(enc.buffers[1], torch.float32)
+    xf = x.float()
+    pad = nblocks * block - n
+    absmax = torch.nn.functional.pad(xf.abs(), (0, pad)).view(nblocks, block).amax(dim=1)
+    torch.testing.assert_close(scales, absmax / q_max, rtol=2e-7, atol=0)
+    step = scales.repeat_interleave(block)[:n]
+    err = (y.float() - xf).abs()
+    assert bool((err <= step / 2 * (1 + 1e-5) + UNIT[x.dtype] * (xf.abs() + step * q_max) * 1.01).all())
+    # every decoded value is a whole number of steps, within the block's range
+    if n:
+        k = (y.float() / torch.where(step > 0, step, 1.0))
+        tol = 1e-3 + 2 * q_max * UNIT[x.dtype]  # the decoded value is rounded to the dtype
+        assert bool(((k - k.round()).abs() < tol).all()) and bool((k.abs() <= q_max + tol).all())
+
+
+def test_int4_int2_pack_codes_most_significant_first() -> None:
+    enc = get_codec("int2:4").encode(torch.tensor([1.0, 0.0, -1.0, 1.0]))  # codes q + 1: 2, 1, 0, 2
+    assert bytes(enc.buffers[0]) == bytes([0b10_01_00_10])
+    enc = get_codec("int4:2").encode(torch.tensor([7.0, -7.0, 0.0]))  # codes q + 7: 14, 0 | 7, (pad 0)
+    assert bytes(enc.buffers[0]) == bytes([0xE0, 0x70])
+    assert get_codec("int4").ratio(2**20, "float32") == pytest.approx(4 * 2**20 / (2**19 + 4 * 2**12))
+    assert {get_codec("int4").default_gamma, get_codec("int2").default_gamma} == {0.7, 0.3}

@@ -15,6 +15,8 @@ __all__ = ["Topology"]
 
 
 def _check_round(round: Any) -> int:
+    if type(round) is int and round >= 0:  # the simulator's hot path: skip the ABC check
+        return round
     if isinstance(round, bool) or not isinstance(round, numbers.Integral) or round < 0:
         raise ValueError(f"round must be a non-negative int, got {round!r}")
     return int(round)
@@ -107,6 +109,8 @@ class Topology:
         return _check_round(round) % self.period
 
     def _check_node(self, node: int) -> None:
+        if type(node) is int and 0 <= node < self.n:  # the simulator's hot path: skip the ABC check
+            return
         if isinstance(node, bool) or not isinstance(node, numbers.Integral) or not 0 <= node < self.n:
             raise ValueError(f"node must be an int in 0..{self.n - 1}, got {node!r}")
 

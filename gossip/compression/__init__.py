@@ -12,6 +12,8 @@ spec               what travels                                 vs float32
 ``fp16``           float16 values, saturating at +-65504        2x
 ``bf16``           bfloat16 values                              2x
 ``int8[:BLOCK]``   int8 codes + a float32 scale per BLOCK (256) 3.94x
+``int4[:BLOCK]``   4-bit codes (15 levels) + a scale per BLOCK  7.76x
+``int2[:BLOCK]``   2-bit codes (ternary) + a scale per BLOCK    15.1x
 ``topk:RATIO``     largest-magnitude values + int32 indices     1 / (2 RATIO)
 ``randk:RATIO``    values at seeded random positions + seed     1 / RATIO
 ``sign``           1 bit per value + float32 mean magnitude     ~32x
@@ -35,6 +37,7 @@ from typing import Callable
 
 from gossip.compression.base import MAX_NUMEL, Codec, CodecError, Encoded
 from gossip.compression.cast import BFloat16Codec, Float16Codec, IdentityCodec
+from gossip.compression.lowbit import Int2BlockCodec, Int4BlockCodec
 from gossip.compression.quantize import Int8BlockCodec
 from gossip.compression.sign import SignCodec
 from gossip.compression.sparse import RandKCodec, TopKCodec
@@ -47,6 +50,8 @@ __all__ = [
     "Encoded",
     "Float16Codec",
     "IdentityCodec",
+    "Int2BlockCodec",
+    "Int4BlockCodec",
     "Int8BlockCodec",
     "RandKCodec",
     "SignCodec",
@@ -177,12 +182,18 @@ def _no_argument(cls: type[Codec]) -> CodecFactory:
     return factory
 
 
-def _int8(arg: str | None) -> Codec:
-    if arg is None:
-        return Int8BlockCodec()
-    if not arg.isdigit():
-        raise ValueError(f"BLOCK must be a positive integer, got {arg!r}")
-    return Int8BlockCodec(int(arg))
+def _blockwise(cls: type[Codec]) -> CodecFactory:
+    def factory(arg: str | None) -> Codec:
+        if arg is None:
+            return cls()
+        if not arg.isdigit():
+            raise ValueError(f"BLOCK must be a positive integer, got {arg!r}")
+        return cls(int(arg))  # type: ignore[call-arg]
+
+    return factory
+
+
+_int8 = _blockwise(Int8BlockCodec)
 
 
 def _ratio(cls: type[TopKCodec] | type[RandKCodec]) -> CodecFactory:
@@ -205,3 +216,5 @@ register_codec("int8", _int8, usage="int8[:BLOCK]")
 register_codec("topk", _ratio(TopKCodec), usage="topk:RATIO", decoder_spec="topk:1")
 register_codec("randk", _ratio(RandKCodec), usage="randk:RATIO", decoder_spec="randk:1")
 register_codec("sign", _no_argument(SignCodec))
+register_codec("int4", _blockwise(Int4BlockCodec), usage="int4[:BLOCK]")
+register_codec("int2", _blockwise(Int2BlockCodec), usage="int2[:BLOCK]")

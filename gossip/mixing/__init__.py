@@ -15,9 +15,11 @@ from gossip.mixing.pushsum import PushSumRule
 from gossip.mixing.staleness import AsyncGossipRule, Staleness, parse_staleness
 
 __all__ = ["AsyncGossipRule", "Staleness", "parse_staleness", "Inbox", "MixingRule", "MixReport", "GossipRule", "PushSumRule", "ChocoRule", "weighted_sum_",
-           "make_rule", "ALGORITHMS"]
+           "make_rule", "ALGORITHMS", "MixingSettings", "build_rules"]
 
 ALGORITHMS = ("gossip", "push-sum", "choco", "naive")
+
+from gossip.mixing.settings import MixingSettings, build_rules  # noqa: E402  (needs ALGORITHMS)
 
 #: Codecs that send every value, only rounded: push-sum may average them directly.
 _ROUNDING = frozenset({"identity", "fp16", "bf16"})
@@ -26,7 +28,10 @@ _ROUNDING = frozenset({"identity", "fp16", "bf16"})
 def make_rule(algorithm: str, codec: Codec | str = "none", *, gamma: float | str | None = None,
               topology: Any = None, asynchronous: bool = False, staleness: Any = None,
               clip: float | str | None = None) -> MixingRule:
-    """Build the mixing rule named by ``algorithm`` (one of :data:`ALGORITHMS`).
+    """Build one mixing rule named by ``algorithm`` (one of :data:`ALGORITHMS`).
+
+    A node's rules come from :func:`gossip.mixing.settings.build_rules`, which
+    calls this for each link class; use this directly for one rule in a test.
 
     ``gossip``
         D-PSGD when ``codec`` is the identity; with any other codec, CHOCO (compressed
@@ -61,7 +66,7 @@ def make_rule(algorithm: str, codec: Codec | str = "none", *, gamma: float | str
         raise ValueError(f"gamma is CHOCO's step size; algorithm {algorithm!r} has none "
                          "(use gossip with compression, or choco)")
     if staleness is not None and not asynchronous:
-        raise ValueError("a staleness decay applies to asynchronous mixing only (--async)")
+        raise ValueError("a staleness decay applies to asynchronous mixing only (asynchronous, --async)")
     if algorithm == "push-sum":
         if codec.name not in _ROUNDING:
             raise ValueError(f"push-sum cannot use compression {codec.spec!r}: averaging compressed mass has no "
@@ -74,7 +79,8 @@ def make_rule(algorithm: str, codec: Codec | str = "none", *, gamma: float | str
         return GossipRule(codec)
     if clip is not None and (algorithm != "gossip" or asynchronous or codec.name != "identity"
                              or gamma not in (None, "auto", 1.0)):
-        raise ValueError("--clip (robust mixing) works with synchronous uncompressed gossip only")
+        raise ValueError("clip (robust mixing) works with synchronous uncompressed gossip only (algorithm gossip, "
+                         "compression none, not asynchronous)")
     if algorithm == "gossip" and codec.name == "identity" and gamma in (None, "auto", 1.0):
         return AsyncGossipRule(codec, staleness) if asynchronous else GossipRule(codec, clip=clip)
     if topology is not None:

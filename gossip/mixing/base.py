@@ -173,6 +173,10 @@ class MixingRule:
         """In-neighbours whose round-``rnd`` message a synchronous rule waits for."""
         return self.round_weights(topology, me, rnd)[2]
 
+    def on_adopt(self, x: torch.Tensor) -> None:
+        """The node's parameters were replaced wholesale (the start, a neighbour's state, a
+        checkpoint): rules that remember them (an outer optimizer's anchor) start from ``x``."""
+
     def on_members_changed(self, old: list[Any], new: list[Any]) -> None:
         """Member list changed (join, death): indices now refer to ``new``. Rules
         keeping per-neighbour state re-key or reset it here."""

@@ -5,7 +5,9 @@ get its own period, codec and sync/async choice. Example (the CLI syntax)::
 
     --link-policy inter:period=20,codec=topk:0.01,async,staleness=poly:0.5
 
-Classes without a policy use the run's own settings. A node then has two
+Options a policy leaves out are the run's own (``clip`` included; ``clip=none``
+turns it off for one class); classes without a policy use the run's settings.
+:func:`gossip.mixing.settings.build_rules` turns them into rules. A node then has two
 channels (see :class:`gossip.node.Channel`), one per class, each mixing over
 its own links on its own schedule.
 """
@@ -15,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from gossip.mixing.base import MixingRule
 
-__all__ = ["LinkPolicy", "parse_link_policies", "build_policies", "LINK_CLASSES"]
+__all__ = ["LinkPolicy", "parse_link_policies", "LINK_CLASSES"]
 
 LINK_CLASSES = ("intra", "inter")
-_KEYS = ("period", "codec", "algorithm", "gamma", "staleness")
+_KEYS = ("period", "codec", "algorithm", "gamma", "staleness", "clip", "outer")
+_ALIASES = {"compression": "codec"}
 _FLAGS = ("async", "sync")
 
 
@@ -34,6 +36,15 @@ class LinkPolicy:
     gamma: Any = None
     asynchronous: bool | None = None
     staleness: str | None = None
+    clip: float | str | None = None  # a radius, "auto", or "none" (no clipping on this class)
+    outer: Any = None                # an outer optimizer spec (gossip.mixing.outer), e.g. nesterov:lr=0.7,momentum=0.9
+
+    def __str__(self) -> str:
+        """The CLI form (without the class), e.g. ``period=20,codec=topk:0.01,async``."""
+        parts = [f"{k}={getattr(self, k)}" for k in _KEYS if getattr(self, k) is not None]
+        if self.asynchronous is not None:
+            parts.append("async" if self.asynchronous else "sync")
+        return ",".join(parts)
 
 
 def _parse_one(spec: str) -> tuple[str, LinkPolicy]:
@@ -42,12 +53,18 @@ def _parse_one(spec: str) -> tuple[str, LinkPolicy]:
         raise ValueError(f"link policy {spec!r}: expected CLASS:OPTIONS with CLASS intra or inter, "
                          "e.g. inter:period=20,codec=topk:0.01,async")
     fields: dict[str, Any] = {}
+    last = None
     for item in filter(None, (i.strip() for i in rest.split(","))):
         if item in _FLAGS:
             fields["asynchronous"] = item == "async"
+            last = None
             continue
         key, eq, value = item.partition("=")
-        key = key.strip()
+        key = _ALIASES.get(key.strip(), key.strip())
+        if last == "outer" and eq and key not in _KEYS:  # outer=nesterov:lr=0.7,momentum=0.9: its own commas
+            fields["outer"] = f"{fields['outer']},{item}"
+            continue
+        last = key
         if not eq or key not in _KEYS:
             raise ValueError(f"link policy {spec!r}: bad option {item!r}; valid: "
                              f"{', '.join(k + '=...' for k in _KEYS)}, {', '.join(_FLAGS)}")
@@ -60,9 +77,29 @@ def _parse_one(spec: str) -> tuple[str, LinkPolicy]:
             if fields["period"] < 1:
                 raise ValueError(f"link policy {spec!r}: period must be >= 1")
         elif key == "gamma":
-            fields["gamma"] = value if value == "auto" else float(value)
+            try:
+                fields["gamma"] = value if value == "auto" else float(value)
+            except ValueError:
+                raise ValueError(f"link policy {spec!r}: gamma must be a number in (0, 1] or 'auto'") from None
+        elif key == "outer":
+            fields["outer"] = value  # parsed below, with the options that follow it
+        elif key == "clip":
+            if value not in ("auto", "none"):
+                try:
+                    fields["clip"] = float(value)
+                except ValueError:
+                    raise ValueError(f"link policy {spec!r}: clip must be a radius, 'auto' or 'none'") from None
+                continue
+            fields["clip"] = value
         else:
             fields[key] = value
+    if "outer" in fields:
+        from gossip.mixing.outer import parse_outer
+
+        try:
+            fields["outer"] = parse_outer(fields["outer"])  # with the options that followed it
+        except ValueError as e:
+            raise ValueError(f"link policy {spec!r}: {e}") from None
     return cls, LinkPolicy(**fields)
 
 
@@ -86,24 +123,4 @@ def parse_link_policies(specs: Any) -> dict[str, LinkPolicy]:
         if cls in out:
             raise ValueError(f"two link policies for {cls!r} links")
         out[cls] = pol
-    return out
-
-
-def build_policies(policies: Mapping[str, LinkPolicy], *, algorithm: str, codec: str, period: int,
-                   gamma: Any = None, asynchronous: bool = False, staleness: Any = None,
-                   topology: Any = None) -> dict[str, tuple[MixingRule, int]] | None:
-    """One (rule, period) per link class for a node, or None without policies."""
-    if not policies:
-        return None
-    from gossip.mixing import make_rule
-
-    out = {}
-    for cls in LINK_CLASSES:
-        pol = policies.get(cls, LinkPolicy())
-        is_async = asynchronous if pol.asynchronous is None else pol.asynchronous
-        decay = pol.staleness if pol.staleness is not None else (staleness if is_async else None)
-        rule = make_rule(pol.algorithm or algorithm, pol.codec or codec,
-                         gamma=pol.gamma if pol.gamma is not None else gamma, asynchronous=is_async,
-                         staleness=decay if is_async else None, topology=None)
-        out[cls] = (rule, pol.period or period)
     return out

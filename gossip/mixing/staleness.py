@@ -13,9 +13,16 @@ Decay functions ``f`` (``--staleness``):
 =================  ===========================================
 ``constant``       f(s) = 1 (plain asynchronous gossip)
 ``poly:A``         f(s) = (1 + s)^-A
-``hinge:A,B``      f(s) = 1 for s <= B, else 1 / (A (s - B) + 1)  (default 1,2)
+``hinge:A,B``      f(s) = 1 for s <= B, else 1 / (A (s - B) + 1)
 ``exp:A``          f(s) = exp(-A s)
 =================  ===========================================
+
+The default, wherever a decay is not given (``Staleness()``, no ``--staleness``,
+a link policy that turns ``async`` without one, a bare ``hinge``), is
+``hinge:1,2``: full weight for messages up to 2 local steps old (even an
+asynchronous neighbour on a fast link is about one step behind when its
+message is mixed), then 1/(s - 1): slow links count less. A bare ``poly`` is
+``poly:0.5`` and a bare ``exp`` is ``exp:0.1``.
 """
 
 from __future__ import annotations
@@ -37,11 +44,11 @@ DECAYS = ("constant", "poly", "hinge", "exp")
 
 @dataclass(frozen=True)
 class Staleness:
-    """A staleness decay f(s) >= 0 with f(0) = 1."""
+    """A staleness decay f(s) >= 0 with f(0) = 1; the default is ``hinge:1,2``."""
 
-    kind: str = "poly"
-    a: float = 0.5
-    b: float = 0.0
+    kind: str = "hinge"
+    a: float = 1.0
+    b: float = 2.0
 
     def __post_init__(self) -> None:
         if self.kind not in DECAYS:
@@ -67,15 +74,12 @@ class Staleness:
 
 
 def parse_staleness(spec: str | Staleness | Callable[[float], float] | None) -> Any:
-    """Parse ``constant``, ``poly:A``, ``hinge:A,B`` or ``exp:A`` (None: ``hinge:1,2``).
+    """Parse ``constant``, ``poly:A``, ``hinge:A,B`` or ``exp:A`` (None: the default, ``hinge:1,2``).
 
-    The default keeps full weight for messages up to 2 local steps old (even an
-    asynchronous neighbour on a fast link is about one step behind when its
-    message is mixed) and decays as 1/(s - 1) beyond: slow links count less.
     Staleness is measured in local steps; with a long ``period`` raise B.
     """
     if spec is None:
-        return Staleness("hinge", 1.0, 2.0)
+        return Staleness()
     if isinstance(spec, Staleness) or (callable(spec) and not isinstance(spec, str)):
         return spec
     kind, _, args = str(spec).strip().partition(":")
@@ -87,7 +91,8 @@ def parse_staleness(spec: str | Staleness | Callable[[float], float] | None) -> 
     if kind not in wants:
         raise ValueError(f"unknown staleness decay {spec!r}; valid: constant, poly:A, hinge:A,B, exp:A")
     if len(nums) != wants[kind]:
-        defaults = {"poly": [0.5], "exp": [0.1], "hinge": [1.0, 4.0], "constant": []}
+        default = Staleness()
+        defaults = {"poly": [0.5], "exp": [0.1], "hinge": [default.a, default.b], "constant": []}
         if nums:
             raise ValueError(f"staleness {spec!r}: {kind} takes {wants[kind]} parameter(s)")
         nums = defaults[kind]

@@ -1,0 +1,266 @@
+"""The simulator's batched engine: local steps of many nodes as one vectorised call.
+
+In the per-node engine a simulated node runs its own forward, backward and
+optimizer step, one small model at a time; for models this small the cost is
+per-call dispatch, not arithmetic. The batched engine keeps every replica's
+parameters as a row of one matrix (:class:`gossip.replicas.ReplicaRows`) and
+runs the steps that are due together as one ``torch.func.vmap`` of
+``grad(functional_call(...))`` and one :class:`~gossip.replicas.StackedOptimizer`
+step over their rows.
+
+The node program does not change. With ``node.stepper`` set,
+:meth:`Node.local_step <gossip.node.Node.local_step>` only asks for its step
+(:meth:`BatchedSteps.defer`) and yields ``Compute`` as before; the step runs at
+the next :meth:`BatchedSteps.flush`, which the simulator calls before any asking
+node is resumed (after its compute time), before it lets anyone observe the nodes,
+and when it stops. Between asking and resuming nothing reads or writes a node's
+parameters (arriving messages wait in its inbox), so a deferred step computes
+exactly what the immediate one would have, only together with the others: the
+two engines differ by float rounding (a batched matmul sums in another order).
+
+A task opts in with ``batchable = True``: its ``loss(model, batch)`` is a pure
+function of the parameters and the batch that ``torch.func`` can transform (no
+random numbers, no in-place updates of buffers, no ``.item()``), and its
+``stream`` yields tuples of tensors of one shape per node. :func:`batch_support`
+checks the rest and says why a run cannot batch; ``engine="auto"`` then runs
+the per-node engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from gossip.data import BatchStream
+from gossip.replicas import ReplicaRows, StackedOptimizer, stacked_optimizer
+
+__all__ = ["ENGINES", "parse_engine", "batch_support", "BatchedSteps", "choose_engine"]
+
+log = logging.getLogger("gossip.batched")
+
+#: ``auto`` batches when :func:`batch_support` allows it, else runs per node.
+ENGINES = ("auto", "batched", "per-node")
+
+
+def parse_engine(engine: Any) -> str:
+    """Validate an engine name: one of :data:`ENGINES`."""
+    if not isinstance(engine, str) or engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
+    return engine
+
+
+class _Loss(nn.Module):
+    """``task.loss(model, batch)`` as a module, so ``functional_call`` can swap in a row's parameters."""
+
+    def __init__(self, task: Any, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.task = task
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.task.loss(self.model, batch)
+
+
+def _shared_tensors(streams: Sequence[Any]) -> bool:
+    """Whether every stream is a :class:`BatchStream` over the same tensors (one gather serves all)."""
+    first = streams[0]
+    return all(type(s) is BatchStream and len(s.tensors) == len(first.tensors)
+               and all(a is b for a, b in zip(s.tensors, first.tensors)) and s.device == first.device
+               for s in streams)
+
+
+def batch_support(task: Any, nodes: Sequence[Any], measured: bool = False) -> str | None:
+    """Why ``nodes`` cannot run their local steps batched, or None when they can.
+
+    measured : the compute model times each node's own step (``measured``), which
+        a batched step cannot give
+    """
+    name = getattr(task, "name", type(task).__name__)
+    if not getattr(task, "batchable", False):
+        return f"task {name!r} does not declare batchable = True"
+    if measured:
+        return "the measured compute model times each node's own step"
+    if not nodes:
+        return "no nodes"
+    first = nodes[0]
+    for i, node in enumerate(nodes):
+        if node.id != i or node.stream is None or node.optimizer is None:
+            return "every node needs id i, a task stream and an optimizer"
+        if node.fingerprint != first.fingerprint or node.device != first.device:
+            return "the nodes' models differ"
+    if any(not s.is_param for s in first.state.slots):
+        return "the model has floating-point buffers (e.g. BatchNorm statistics), which a vectorised step cannot update"
+    opt = stacked_optimizer(first.optimizer, first.state.slots, 1, first.numel, first.state.dtype, first.device)
+    if isinstance(opt, str):
+        return opt
+    # one trial step on a copy of node 0's stream: the loss must vectorise
+    try:
+        batch = copy.deepcopy(first.stream).next()
+        grad = torch.func.vmap(torch.func.grad_and_value(_functional_loss(task, first.model)), randomness="error")
+        params = {f"model.{s.name}": first.state.flat[s.offset:s.offset + s.numel].view(1, *s.shape)
+                  for s in first.state.slots}
+        grad(params, _stack([batch]))
+    except Exception as e:  # any failure here means: run per node
+        return f"task {name!r}: its loss does not vectorise with torch.func ({type(e).__name__}: {e})"
+    return None
+
+
+def _functional_loss(task: Any, model: nn.Module) -> Any:
+    wrapper = _Loss(task, copy.deepcopy(model))
+
+    def loss(params: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        return torch.func.functional_call(wrapper, params, (batch,))
+
+    return loss
+
+
+def _stack(batches: list[Any]) -> Any:
+    """Per-node batches (tuples of tensors, or tensors) stacked along a new first dimension."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(batches)
+    if isinstance(first, (tuple, list)):
+        return tuple(torch.stack([b[j] for b in batches]) for j in range(len(first)))
+    raise TypeError(f"a batchable task's stream must yield tensors or tuples of tensors, got {type(first).__name__}")
+
+
+def _signature(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return tuple(batch.shape)
+    return tuple(tuple(t.shape) for t in batch)
+
+
+class BatchedSteps:
+    """Runs the local steps of many simulated nodes together (see the module docstring).
+
+    Parameters
+    ----------
+    task : the nodes' task (``batchable = True``)
+    nodes : node i has id i; their parameters move onto the rows of one matrix
+        (rows ordered by batch size, so the nodes of one batch size are one block)
+
+    Raises ValueError, naming the reason, when :func:`batch_support` refuses.
+    """
+
+    def __init__(self, task: Any, nodes: Sequence[Any]) -> None:
+        reason = batch_support(task, nodes)
+        if reason is not None:
+            raise ValueError(f"the batched engine cannot run this simulation: {reason}")
+        self.task = task
+        self.nodes = list(nodes)
+        first = self.nodes[0]
+        self.fast = _shared_tensors([n.stream for n in self.nodes])
+        self.tensors = first.stream.tensors if self.fast else ()
+        self.device = first.device
+        size = (lambda n: n.stream.batch_size) if self.fast else (lambda n: 0)  # noqa: E731
+        order = sorted(range(len(self.nodes)), key=lambda i: (size(self.nodes[i]), i))
+        self.row_of = [0] * len(self.nodes)
+        for r, i in enumerate(order):
+            self.row_of[i] = r
+        self.slots = [(f"model.{s.name}", s.offset, s.numel, tuple(s.shape)) for s in first.state.slots]
+        self._grad = torch.func.vmap(torch.func.grad_and_value(_functional_loss(task, first.model)),
+                                     randomness="error")
+        self.rows = ReplicaRows([self.nodes[i].state for i in order])
+        opt = stacked_optimizer(first.optimizer, first.state.slots, len(self.nodes), first.numel,
+                                first.state.dtype, first.device)
+        assert isinstance(opt, StackedOptimizer)
+        self.optimizer = opt
+        self.asked = [False] * len(self.nodes)  # node i has asked for a step not run yet
+        self.pending: list[Any] = []
+        self.flushes = 0
+        self.steps = 0
+        for node in self.nodes:
+            node.stepper = self
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """The ``[n, P]`` parameters; node i's are row ``row_of[i]``."""
+        return self.rows.matrix
+
+    def defer(self, node: Any) -> None:
+        """``node`` asks for one local step (called by :meth:`Node.local_step`)."""
+        self.asked[node.id] = True
+        self.pending.append(node)
+
+    def replace(self, i: int, node: Any) -> None:
+        """Node ``i`` restarted as a fresh object: move it onto its row, with fresh optimizer state."""
+        if self.asked[i]:
+            self.flush()  # the old life's step is due on the row first
+        self.nodes[i] = node
+        self.rows.bind(self.row_of[i], node.state)
+        self.optimizer.reset(self.row_of[i])
+        node.stepper = self
+
+    def flush(self) -> None:
+        """Run every step asked for so far, one vectorised call per batch shape."""
+        pending = self.pending
+        if not pending:
+            return
+        self.pending = []
+        self.flushes += 1
+        self.steps += len(pending)
+        groups: dict[Any, list[tuple[int, Any, Any]]] = {}
+        for node in pending:
+            self.asked[node.id] = False
+            if self.fast:
+                draw = node.stream.next_indices()
+                key: Any = draw.shape[0]
+            else:
+                draw = node.stream.next()
+                key = _signature(draw)
+            groups.setdefault(key, []).append((self.row_of[node.id], node, draw))
+        results: list[tuple[Any, float]] = []
+        for members in groups.values():
+            members.sort(key=lambda m: m[0])
+            results.extend(self._run(members))
+        for node, value in results:
+            if node.count_step(value):
+                node.after_update()
+            else:  # the NaN guard put the last good parameters back; the optimizer starts afresh
+                self.optimizer.reset(self.row_of[node.id])
+
+    def _run(self, members: list[tuple[int, Any, Any]]) -> list[tuple[Any, float]]:
+        """One vectorised step over rows that share a batch shape; returns (node, loss) pairs."""
+        matrix = self.rows.matrix
+        rows = [r for r, _, _ in members]
+        k = len(rows)
+        if rows[-1] - rows[0] + 1 == k:  # a block of rows: work on it in place
+            sel: slice | torch.Tensor = slice(rows[0], rows[-1] + 1)
+            x = matrix[sel]
+        else:
+            sel = torch.tensor(rows, device=matrix.device)
+            x = matrix.index_select(0, sel)
+        if self.fast:
+            idx = torch.stack([d for _, _, d in members])
+            batch = tuple(t[idx].to(self.device, non_blocking=True) for t in self.tensors)
+        else:
+            batch = _stack([d for _, _, d in members])
+        params = {name: x[:, off:off + numel].view(k, *shape) for name, off, numel, shape in self.slots}
+        grads, losses = self._grad(params, batch)
+        grad = torch.cat([grads[name].reshape(k, -1) for name, *_ in self.slots], dim=1)
+        self.optimizer.step(x, grad, sel)
+        if not isinstance(sel, slice):
+            matrix.index_copy_(0, sel, x)
+        return list(zip([node for _, node, _ in members], losses.tolist()))
+
+
+def choose_engine(engine: str, task: Any, nodes: Sequence[Any], measured: bool = False) -> tuple[BatchedSteps | None, str]:
+    """The engine a simulation runs: ``(BatchedSteps or None for per-node, why)``.
+
+    ``"batched"`` raises ValueError, with the reason, when the run cannot batch;
+    ``"auto"`` then falls back to the per-node engine and says why.
+    """
+    engine = parse_engine(engine)
+    if engine == "per-node":
+        return None, "per-node engine asked for"
+    reason = batch_support(task, nodes, measured)
+    if reason is None:
+        return BatchedSteps(task, nodes), "batched"
+    if engine == "batched":
+        raise ValueError(f"engine 'batched' cannot run this simulation: {reason} (use engine auto or per-node)")
+    log.info("running the per-node engine: %s", reason)
+    return None, reason

@@ -1,0 +1,262 @@
+"""Outer optimizers over gossip (gossip.mixing.outer): references, pairings, state, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import gossip
+from gossip.api import Simulation
+from gossip.mixing import GossipRule
+from gossip.mixing.outer import OuterRule, OuterSpec, parse_outer
+from gossip.mixing.settings import MixingSettings, build_rules
+from gossip.node import init_model
+from gossip.tasks import get_task
+
+H, ROUNDS = 5, 6
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def diloco_reference(n: int, outer: torch.optim.Optimizer | None, *, lr: float, momentum: float, nesterov: bool,
+                     seed: int, task_spec: str = "synthetic") -> list[torch.Tensor]:
+    """DiLoCo written out by hand, as torchft does it: n replicas from one start, H inner
+    steps each, the mean pseudo-gradient handed to torch's own SGD as the outer optimizer."""
+    task = get_task(task_spec)
+    models = [init_model(task, seed) for _ in range(n)]
+    opts = [task.optimizer(m.parameters()) for m in models]
+    streams = [task.stream(i, n, "iid", seed, torch.device("cpu")) for i in range(n)]
+    glob = [p.detach().clone().requires_grad_(True) for p in models[0].parameters()]
+    outer = torch.optim.SGD(glob, lr=lr, momentum=momentum, nesterov=nesterov)
+    for _ in range(ROUNDS):
+        for m, opt, stream in zip(models, opts, streams):
+            for _ in range(H):
+                batch = stream.next()
+                opt.zero_grad(set_to_none=True)
+                task.loss(m, batch).backward()
+                opt.step()
+        for k, g in enumerate(glob):
+            g.grad = torch.stack([g.detach() - list(m.parameters())[k].detach() for m in models]).mean(0)
+        outer.step()
+        with torch.no_grad():
+            for m in models:
+                for p, g in zip(m.parameters(), glob):
+                    p.copy_(g)
+    return [_flat(m) for m in models]
+
+
+def test_one_node_nesterov_equals_torch_nesterov_on_the_pseudo_gradient():
+    sim = gossip.simulate(nodes=1, topology="complete", task="synthetic", steps=H * ROUNDS, period=H, seed=3,
+                          outer="nesterov:lr=0.7,momentum=0.9")
+    ref = diloco_reference(1, None, lr=0.7, momentum=0.9, nesterov=True, seed=3)[0]
+    assert torch.allclose(sim.params[0], ref, atol=1e-6, rtol=0)
+    plain = gossip.simulate(nodes=1, topology="complete", task="synthetic", steps=H * ROUNDS, period=H, seed=3)
+    assert (plain.params[0] - ref).abs().max() > 1e-2  # the outer step made a difference
+
+
+@pytest.mark.parametrize("spec,nesterov", [("nesterov:lr=0.7,momentum=0.9", True), ("noloco", False)])
+def test_complete_graph_is_diloco(spec, nesterov):
+    """Exact averaging on a complete graph: every node follows hand-written DiLoCo."""
+    outer = parse_outer(spec)
+    r = gossip.simulate(nodes=4, topology="complete", task="synthetic", steps=H * ROUNDS, period=H, seed=1,
+                        outer=spec)
+    ref = diloco_reference(4, None, lr=outer.lr, momentum=outer.momentum, nesterov=nesterov, seed=1)
+    for got, want in zip(r.params, ref):
+        assert torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
+def _with_forced_outer(spec: OuterSpec, **cfg) -> Simulation:
+    sim = Simulation(**cfg)
+    for node in sim.nodes:
+        for ch in node.channels:
+            ch.rule = OuterRule(ch.rule, spec)
+            ch.rule.overlap = node.config.overlap and ch.rule.synchronous
+            ch.rule.on_adopt(node.state.flat)
+        node.rule = node.channels[0].rule
+    return sim
+
+
+@pytest.mark.parametrize("extra", [{}, {"overlap": True}, {"asynchronous": True}, {"compression": "int8"},
+                                   {"algorithm": "push-sum"}])
+def test_sgd_lr_1_through_the_outer_path_is_todays_gossip(extra):
+    """H = 1, sgd:lr=1 through the outer wrapper on a complete graph gives today's numbers
+    (the default builds no wrapper at all: the rule itself)."""
+    cfg = dict(nodes=4, topology="complete", task="synthetic", steps=12, period=1, seed=2, **extra)
+    today = gossip.simulate(**cfg)
+    new = _with_forced_outer(OuterSpec("sgd", 1.0, 0.0), **cfg).run().result()
+    for a, b in zip(today.params, new.params):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
+    assert new.summary["final_loss"] == pytest.approx(today.summary["final_loss"], abs=1e-5)
+    rule, _ = build_rules(MixingSettings(outer="sgd:lr=1", **extra))
+    assert not isinstance(rule, OuterRule)
+
+
+@pytest.mark.parametrize("extra", [{}, {"overlap": True}, {"asynchronous": True}, {"compression": "topk:0.1"},
+                                   {"algorithm": "push-sum"}, {"link_policy": "inter:period=10,async"}])
+def test_outer_runs_with_every_rule_and_the_average_still_trains(extra):
+    cfg = dict(nodes=8, topology="hierarchical:4,4" if "link_policy" in extra else "ring", task="synthetic",
+               steps=60, period=5, seed=0, **extra)
+    base = gossip.simulate(**cfg).summary
+    # (DiLoCo's own 0.7 / 0.9 is tuned for AdamW inner steps; on the synthetic task's SGD it
+    # overshoots, on a complete graph as much as here)
+    r = gossip.simulate(outer="nesterov:lr=0.4,momentum=0.8", **cfg)
+    s = r.summary
+    assert s["outer"] == "nesterov:lr=0.4,momentum=0.8"
+    assert all(torch.isfinite(p).all() for p in r.params)
+    assert s["final_loss"] < base["final_loss"] + 0.05  # trains about as well as plain averaging
+    assert s["bytes_sent"] == base["bytes_sent"] or extra  # the same messages: one vector per exchange
+
+
+def test_overlap_outer_keeps_the_inner_steps_made_while_the_round_travelled():
+    """With overlap, a node's parameters after the delayed outer step are the new anchor
+    plus the inner steps it made since it sent the round."""
+    rule = OuterRule(GossipRule(), OuterSpec("nesterov", 0.7, 0.9))
+    rule.overlap = True
+
+    class Alone:  # a one-node topology: mixing is the identity
+        time_varying = False
+
+        def in_weights(self, me, rnd):
+            return {0: 1.0}
+
+        def out_weights(self, me, rnd):
+            return {0: 1.0}
+
+    from gossip.mixing import Inbox
+
+    x = torch.zeros(3)
+    rule.on_adopt(x)
+    x += torch.tensor([1.0, 2.0, 3.0])          # H inner steps: theta = phi - Delta, Delta = -(1,2,3)
+    rule.outgoing(x, Alone(), 0, 0)
+    x += torch.tensor([10.0, 10.0, 10.0])       # the next inner steps, while round 0 travels
+    rule.mix(x, Inbox(), Alone(), 0, 0, 10)
+    g = -torch.tensor([1.0, 2.0, 3.0])          # phi - theta~ = 0 - (1, 2, 3)
+    b = g.clone()
+    phi = -0.7 * (g + 0.9 * b)
+    assert torch.allclose(rule.anchor, phi)
+    assert torch.allclose(x, phi + 10.0)
+
+
+def test_checkpoint_restores_the_outer_state(tmp_path):
+    from gossip.checkpoint import load_checkpoint, save_checkpoint
+
+    sim = Simulation(nodes=2, topology="ring", task="synthetic", steps=20, period=5, outer="nesterov", seed=0)
+    sim.run()
+    node = sim.nodes[0]
+    rule = node.rule
+    assert isinstance(rule, OuterRule) and rule.momentum is not None and rule.outer_steps == 4
+    path = save_checkpoint(node.state_dict(), tmp_path, node.step)
+    fresh = Simulation(nodes=2, topology="ring", task="synthetic", steps=20, period=5, outer="nesterov", seed=5)
+    other = fresh.nodes[0]
+    other.load_state_dict(load_checkpoint(path))
+    assert torch.equal(other.rule.anchor, rule.anchor)
+    assert torch.equal(other.rule.momentum, rule.momentum)
+    assert other.rule.outer_steps == 4
+
+
+def test_a_joiner_takes_the_outer_momentum_with_the_parameters():
+    sim = Simulation(nodes=4, topology="ring", task="synthetic", steps=40, period=5, outer="nesterov", seed=0,
+                     faults=["crash:3@0.1", "join:3@0.273"], detect=0.05)
+    sim.run(until=0.28)  # mid-period (steps take 0.01 s, period 5): no outer step since the join
+    joiner = sim.sim.nodes[3]
+    donor = max((sim.sim.nodes[j] for j in range(3)), key=lambda n: n.step)
+    assert joiner.rule.momentum is not None
+    assert torch.equal(joiner.rule.momentum, donor.rule.momentum)
+    assert float(joiner.rule.momentum.abs().sum()) > 0
+    assert joiner.rule.momentum is not donor.rule.momentum  # a copy, not shared
+    sim.run()
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+BAD = [("adam", "unknown optimizer 'adam'"), ("nesterov:lr=-1", "lr=-1 is out of range"),
+       ("nesterov:lr=0.7,momentum=1.5", "momentum=1.5 is out of range"), ("sgd:beta=2", "bad option 'beta=2'")]
+
+
+@pytest.mark.parametrize("spec,needle", BAD)
+def test_bad_outer_api(spec, needle):
+    with pytest.raises(ValueError) as e:
+        gossip.SimConfig(outer=spec)
+    text = str(e.value)
+    assert text.startswith("outer") and needle in text and "valid: sgd:lr=L" in text and "\n" not in text
+
+
+@pytest.mark.parametrize("spec,needle", BAD)
+def test_bad_outer_cli_exits_2(spec, needle, capsys):
+    from gossip.cli import sim_main
+
+    assert sim_main(["--steps", "1", "--outer", spec]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gossip-sim: error: --outer") and needle in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("spec,needle", BAD)
+def test_bad_outer_toml_exits_2(spec, needle, tmp_path, capsys):
+    from gossip.cli import node_main
+    from tests.cluster import free_port
+
+    toml = tmp_path / "node.toml"
+    toml.write_text(f'outer = "{spec}"\n')
+    assert node_main(["--listen", f"tcp://127.0.0.1:{free_port()}", "--config", str(toml)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gossip-node: error: --outer") and needle in err and len(err.splitlines()) == 1
+
+
+def test_outer_with_push_sum_on_an_irregular_graph_is_refused(capsys):
+    from gossip.cli import sim_main
+
+    with pytest.raises(ValueError, match="push-sum needs a graph whose push-sum masses stay 1"):
+        Simulation(nodes=6, topology="star", algorithm="push-sum", outer="nesterov", task="synthetic", steps=2)
+    Simulation(nodes=6, topology="ring", algorithm="push-sum", outer="nesterov", task="synthetic", steps=2)
+    assert sim_main(["--nodes", "6", "--topology", "star", "--algorithm", "push-sum", "--outer", "nesterov",
+                     "--steps", "2"]) == 2
+    assert "--outer" in capsys.readouterr().err
+
+
+def test_outer_per_link_class():
+    s = MixingSettings(period=2, link_policy="inter:period=10,outer=nesterov:lr=0.5,momentum=0.8,async")
+    rule, per_class = build_rules(s)
+    assert not isinstance(per_class["intra"][0], OuterRule)
+    inter = per_class["inter"][0]
+    assert isinstance(inter, OuterRule) and inter.spec == OuterSpec("nesterov", 0.5, 0.8) and not inter.synchronous
+    assert str(s.policies["inter"]).endswith("outer=nesterov:lr=0.5,momentum=0.8,async")
+    # the CLI form round-trips through the settings' own text
+    again = MixingSettings(period=2, link_policy=f"inter:{s.policies['inter']}")
+    assert again == s
+    json.dumps(s.to_dict())
+
+
+# -- compressed pseudo-gradients ----------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_what_a_low_bit_round_drops_is_sent_later(bits):
+    """Error feedback: with x held still, the public copy CHOCO sends towards closes in on
+    x round after round (int2 drops 65% of the energy of each difference)."""
+    from topologies import build
+
+    from gossip.mixing import ChocoRule
+
+    topo = build("ring", 3)
+    rule = ChocoRule(f"int{bits}")
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    gaps = []
+    for r in range(6):
+        rule.outgoing(x, topo, 0, r)
+        gaps.append(float((x - rule.own).norm() / x.norm()))
+    assert gaps[0] > 0.1 if bits == 2 else gaps[0] > 0.01
+    assert all(b < 0.6 * a for a, b in zip(gaps, gaps[1:]))  # geometric: nothing is lost for good
+
+
+@pytest.mark.parametrize("codec,ratio", [("int4", 7.0), ("int2", 12.0)])
+def test_outer_with_low_bit_pseudo_gradients_trains_at_a_fraction_of_the_bytes(codec, ratio):
+    cfg = dict(nodes=8, topology="ring", task="synthetic", steps=100, period=5, seed=0,
+               outer="nesterov:lr=0.4,momentum=0.8")
+    full = gossip.simulate(**cfg).summary
+    packed = gossip.simulate(compression=codec, **cfg).summary
+    assert packed["rule"] == "choco"
+    assert full["bytes_sent"] / packed["bytes_sent"] > ratio
+    assert packed["final_loss"] < full["final_loss"] + 0.08
