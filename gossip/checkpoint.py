@@ -17,13 +17,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path", "checkpoint_step"]
 
 _NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"ckpt-{step:012d}.pt"
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step a checkpoint file holds, read from its name (without loading it)."""
+    m = _NAME.match(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not named like a checkpoint (ckpt-<12 digits>.pt)")
+    return int(m.group(1))
 
 
 def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int, *, keep: int = 2) -> Path:

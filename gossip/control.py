@@ -103,6 +103,7 @@ class ControlPlane:
         self.seeds = {s: [0.0, heartbeat] for s in seeds if s != node_id}  # id -> [next try, backoff]
         self.probes: dict[str, list[float]] = {}  # member declared dead -> [next hello, backoff]
         # training members whose lists drop us: who -> (its cluster, our leave round), since when
+        # (the evidence of one life: a new life starts without it, see new_life)
         self.excluded_by: dict[str, tuple[set[str], int]] = {}
         self.excluded_since = 0.0
         self.rejected: Counter[str] = Counter()
@@ -148,12 +149,18 @@ class ControlPlane:
             report = self.m.report()
             x: dict[str, Any] = {"mids": [r[0] for r in report], "mincs": [r[1] for r in report],
                                  "mdcs": [self.m.members[r[0]].dc for r in report]}
-            if self.m.base:
+            if self.m.started:
                 base = sorted(self.m.base)
                 joins = sorted(self.m.joins.items())
                 leaves = sorted(self.m.leaves.items())
                 x.update(base=base, jids=[j for j, _ in joins], jrounds=[r for _, r in joins],
                          lids=[j for j, _ in leaves], lrounds=[r for _, r in leaves])
+                # the life each entry is about, so that every node applies them alike in any
+                # order (0: not known, e.g. this node's own life is its incarnation)
+                life = self.m.lives.get
+                x.update(bincs=[self.incarnation if b == self.id else life(b, 0) for b in base],
+                         jincs=[self.incarnation if j == self.id else life(j, 0) for j, _ in joins],
+                         lincs=[life(j, 0) for j, _ in leaves])
         return self._message(kind, **x)
 
     def broadcast(self, msg: Message) -> None:
@@ -215,7 +222,7 @@ class ControlPlane:
                 m = self.m.members.get(peer)
                 if m is not None and inc >= m.incarnation:
                     reason = x.get("reason", "left")
-                    self.m.remove(peer, f"said goodbye ({str(reason)[:200]})", departed=True)
+                    self.m.remove(peer, f"said goodbye ({str(reason)[:200]})", departed=True, now=now)
                     self.last_change = now
                 if str(x.get("reason", "")).startswith("fingerprint"):
                     self._conflict(peer, str(x["reason"])[:300])
@@ -239,6 +246,10 @@ class ControlPlane:
         jrounds = _int_list(x, "jrounds", len(jids)) if jids is not None else None
         lids = _str_list(x, "lids")
         lrounds = _int_list(x, "lrounds", len(lids)) if lids is not None else None
+        # the lives the entries are about (absent or 0: not known)
+        bincs = _int_list(x, "bincs", len(base)) if base is not None and "bincs" in x else None
+        jincs = _int_list(x, "jincs", len(jids)) if jids is not None and "jincs" in x else None
+        lincs = _int_list(x, "lincs", len(lids)) if lids is not None and "lincs" in x else None
         reply = None
         merge_into: set[str] | None = None
         with self.lock:
@@ -251,7 +262,9 @@ class ControlPlane:
             # the peer's lists describe another cluster when neither cluster counts the other
             # node: they change nothing here. A node that waits to join a cluster this node
             # is not in says so too; its join round there is not one here.
-            other = theirs is not None and bool(self.m.base) and self.id not in theirs and peer not in ours
+            # (a new life of a member counts as that member only once its own join is heard)
+            other = theirs is not None and self.m.started and self.id not in theirs \
+                and not (peer in ours and self.m.counts(peer, inc))
             # another cluster that trains, met by a node that trains: the halves of a
             # partition that healed meet so (each side announced the other's leaves), and so
             # do clusters started apart (a seed that answered late). The stronger goes on;
@@ -270,21 +283,26 @@ class ControlPlane:
                     for mid, mdc in zip(mids, mdcs):
                         if mid in self.m.members and not self.m.members[mid].dc:
                             self.m.members[mid].dc = mdc
-            if lists and base is not None and not self.m.base and status in ("training", "done"):
+            if lists and base is not None and not self.m.started and status in ("training", "done"):
                 # we learn how the running cluster started; if it started with an earlier
                 # life of ours (it lists another incarnation of us, or our leave), we are
                 # not one of its starters any more but a node that joins
                 listed = dict(zip(mids, mincs)) if mids is not None and mincs is not None else {}
                 former = listed.get(self.id, self.incarnation) != self.incarnation or self.id in (lids or ())
-                self.m.start(b for b in base if not (former and b == self.id))
+                if bincs is not None and self.id in base and bincs[base.index(self.id)] not in (0, self.incarnation):
+                    former = True  # it started with an earlier life of ours
+                starters = [(b, i) for b, i in zip(base, bincs or [0] * len(base)) if not (former and b == self.id)]
+                self.m.start([b for b, _ in starters], [i or None for _, i in starters])
             # leaves before joins: a restarted member's old life leaves before its new one joins
             if lists and lids is not None and lrounds is not None:
                 rejoining = set(jids or ())
-                for j, r in zip(lids, lrounds):
+                for j, r, li in zip(lids, lrounds, lincs or [0] * len(lids)):
                     if j == self.id:
-                        # a leave not after our own first round is an earlier life's, long done
+                        # a leave not after our own first round, or of another life, is an
+                        # earlier life's, long done
                         if status != "waiting" and self.progress()[0] == "training" and theirs is not None \
-                                and r > self.m.joins.get(self.id, 0) and len(self.excluded_by) < MAX_PROBED:
+                                and r > self.m.joins.get(self.id, 0) and li in (0, self.incarnation) \
+                                and len(self.excluded_by) < MAX_PROBED:
                             self.excluded_since = self.excluded_since if self.excluded_by else now
                             self.excluded_by[peer] = (theirs, r)  # judged in tick()
                         continue
@@ -294,11 +312,11 @@ class ControlPlane:
                     # when the same list schedules its new life (a restart, not a suspicion),
                     # or when we join the sender's cluster (we take its lists as they are)
                     if member is None or now - member.last_seen > self.m.dead_after / 2 or j in rejoining \
-                            or peer in self.m.target:
-                        self.m.announce_leave(j, r)
+                            or peer in self.m.target or (li and member.incarnation > li):
+                        self.m.announce_leave(j, r, li or None)
             if lists and jids is not None and jrounds is not None:
-                for j, r in zip(jids, jrounds):
-                    self.m.announce_join(j, r)
+                for j, r, ji in zip(jids, jrounds, jincs or [0] * len(jids)):
+                    self.m.announce_join(j, r, ji or None)
             digest = x.get("digest")
             if isinstance(digest, str):
                 self.digests[peer] = digest
@@ -310,21 +328,21 @@ class ControlPlane:
             my_status, my_round, _ = self.progress()
             if new_member:
                 self.last_change = now
-            if restarted and my_status == "training" and self.m.base and peer in self.m.eventual():
+            if restarted and my_status == "training" and self.m.started and peer in self.m.eventual():
                 # a new life of a member we train with: its old life sends no more. It leaves
                 # at an announced round (its new life joins when it says hello to someone,
                 # maybe in another cluster, see foreign above)
-                self.m.announce_leave(peer, self.m.max_round() + self.m.leave_margin)
+                self.m.announce_leave(peer, self.m.max_round() + self.m.leave_margin, old.incarnation)
             if msg.kind == "hello":
-                active = (peer in self.m.base or peer in self.m.joins) and peer not in self.m.leaves
+                active = self.m.counts(peer, inc)
                 # (a hello from a training node that is not active here comes from another
                 # cluster: not a joiner; nor is a node that waits to join another cluster)
-                if my_status == "training" and self.m.base and status == "waiting" and (restarted or not active) \
+                if my_status == "training" and self.m.started and status == "waiting" and (restarted or not active) \
                         and not other:
                     # a node joins a running cluster (a new one, or a new life of a member):
                     # everyone adopts it from the same future round, after its old life left
                     eff = max(max(my_round, self.m.max_round()) + self.m.join_margin, self.m.leaves.get(peer, 0))
-                    self.m.announce_join(peer, eff)
+                    self.m.announce_join(peer, eff, inc)
                     log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
                     new_member = True
                 reply = "members"
@@ -410,6 +428,23 @@ class ControlPlane:
                 state[1] = min(state[1] * 2, BACKOFF_MAX)
             probes[mid] = state
         self.probes = probes
+
+    def drop(self, mid: str, reason: str) -> None:
+        """Remove a live member as if it had died (e.g. it trains out of step with this
+        cluster) and tell everyone its leave round. It hears of it from the lists and
+        joins again as a new life, see ``excluded``."""
+        with self.lock:
+            if not self.m.remove(mid, reason):
+                return
+            self.last_change = self.now
+        self.broadcast(self._members_message())
+        self.send(mid, self._members_message())
+
+    def new_life(self, incarnation: int) -> None:
+        """This node starts a new life (call with ``lock`` held, with the membership's
+        new_life): what the lists said of its previous life is no evidence about it."""
+        self.incarnation = incarnation
+        self.excluded_by = {}
 
     def hello_all(self, peers: list[str]) -> None:
         for p in peers:

@@ -15,7 +15,9 @@ Times come from the caller (``now``), never from a clock read here.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -95,6 +97,7 @@ class Member:
     step: int = 0
     dc: str = ""
     fingerprint: str = ""
+    status_at: float = -math.inf  # when it last told us its status itself (a control message)
 
 
 @dataclass
@@ -116,12 +119,22 @@ class Membership:
     members: dict[str, Member] = field(default_factory=dict)
     dead: dict[str, int] = field(default_factory=dict)  # id -> incarnation declared dead
     departed: dict[str, int] = field(default_factory=dict)  # id -> incarnation that said goodbye
+    departed_at: dict[str, float] = field(default_factory=dict)  # id -> when it said goodbye
     version: int = 0
     # who trains in which round: the members the cluster started with, plus
     # announced joins (id -> first round it takes part in)
     base: set[str] = field(default_factory=set)
+    # whether this node knows the schedule of a cluster that started (base alone cannot
+    # tell: once every starter has restarted, no starter is left in it)
+    started: bool = False
     joins: dict[str, int] = field(default_factory=dict)
     leaves: dict[str, int] = field(default_factory=dict)  # id -> first round it no longer takes part in
+    # the life (incarnation) that id's entries above are about. A join or leave of an
+    # older life than the one recorded is stale; of a newer life, it replaces the record.
+    # So the order in which announcements arrive does not matter (see announce_join)
+    lives: dict[str, int] = field(default_factory=dict)
+    # leaves announced for a life whose join has not arrived yet: id -> (incarnation, round)
+    early_leaves: dict[str, tuple[int, int]] = field(default_factory=dict)
     leave_margin: int = 5  # rounds between announcing a death or goodbye and adopting it
     # members that appeared or came back (a new life, or re-admitted) since the last
     # take_renewed(): a connection kept towards an earlier life must be opened afresh
@@ -132,6 +145,9 @@ class Membership:
     # the members of the cluster this node joins as a new life (see new_life): until it
     # trains there, only their lists are taken
     target: set[str] = field(default_factory=set)
+    # when this node's current life began (see new_life): evidence from before it
+    # describes a cluster this life may not be joining
+    life_began: float = -math.inf
 
     def __post_init__(self) -> None:
         self.members[self.self_id] = Member(self.self_id, self.incarnation, 0.0, "waiting", dc=self.dc,
@@ -146,8 +162,17 @@ class Membership:
         return [m for m in sorted(self.members) if m != self.self_id]
 
     def digest(self) -> str:
-        """A string equal on nodes that agree on the member set."""
-        return ",".join(self.ids())
+        """A string equal on nodes that agree on the member set and on who trains in
+        which round (the schedule: starters, joins and leaves, with their lives)."""
+        return ",".join(self.ids()) + "|" + self.schedule_digest()
+
+    def schedule_digest(self) -> str:
+        """A short hash of the schedule ("" before the cluster starts)."""
+        if not self.started:
+            return ""
+        text = repr((sorted(self.base), sorted(self.joins.items()), sorted(self.leaves.items()),
+                     sorted(self.lives.items())))
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
     def order_key(self, mid: str) -> tuple[str, str]:
         """Members are ordered by (datacenter, id): the same order on every node,
@@ -198,6 +223,7 @@ class Membership:
         m.last_seen = now
         if status is not None:
             m.status = status
+            m.status_at = now
         if round is not None:
             m.round = round
         if step is not None:
@@ -234,7 +260,7 @@ class Membership:
             self.version += 1
         return changed
 
-    def remove(self, mid: str, reason: str, *, departed: bool = False) -> bool:
+    def remove(self, mid: str, reason: str, *, departed: bool = False, now: float | None = None) -> bool:
         """Drop ``mid``; returns True if it was a member.
 
         ``departed`` (it said goodbye) is final for that incarnation. Otherwise
@@ -247,6 +273,8 @@ class Membership:
                 self.members[mid] = m
             return False
         (self.departed if departed else self.dead)[mid] = m.incarnation
+        if departed:
+            self.departed_at[mid] = m.last_seen if now is None else now
         # it leaves the topology at a round everyone adopts (announced to all), so
         # synchronous rounds stay aligned; until then its weight goes to self. A node
         # that does not train (it waits for its join round or for a neighbour's state)
@@ -254,26 +282,60 @@ class Membership:
         # drop ignores the word of a node that is not training, so the two views
         # would never meet again. It learns the running members' leaves from them.
         if self.training:  # (after a join still pending: see announce_leave)
-            self.announce_leave(mid, max(self.max_round() + self.leave_margin, self.joins.get(mid, -1) + 1))
+            self.announce_leave(mid, max(self.max_round() + self.leave_margin, self.joins.get(mid, -1) + 1),
+                                m.incarnation)
         self.version += 1
         log.warning("member %s removed: %s", mid, reason)
         return True
 
-    def new_life(self, incarnation: int, target: Iterable[str] = ()) -> None:
+    def new_life(self, incarnation: int, target: Iterable[str] = (), now: float = -math.inf) -> None:
         """This node starts a new life under ``incarnation``, as a restarted process
         would: it still knows who is alive, but no longer who trains in which
         round. It joins the cluster ``target`` (the members of the cluster that
         dropped it, or of a stronger one it met) at a round they announce, and
         takes those lists from them only (from anyone if ``target`` is empty):
         its own may describe a cluster it is no longer part of (a partition's
-        other half, the leaves it announced there)."""
+        other half, the leaves it announced there). ``now`` is when the life
+        begins: what members said before it is no evidence about that cluster
+        (see :meth:`finished`)."""
         self.incarnation = incarnation
+        self.life_began = now
         me = self.members[self.self_id]
         me.incarnation, me.status = incarnation, "waiting"
         self.training = False
         self.base, self.joins, self.leaves = set(), {}, {}
+        self.lives, self.early_leaves = {}, {}
+        self.started = False
         self.target = set(target) - {self.self_id}
         self.version += 1
+
+    def finished(self, ids: Iterable[str]) -> bool:
+        """Whether every member in ``ids`` has finished training, judged only from
+        what this life heard (since :attr:`life_began`): the member's own word
+        "done", or its goodbye. An empty set, a member that is unknown, silent or
+        dead, and anything said before this life began are no evidence: a cluster
+        that will never schedule a join must prove it, or the join is waited for.
+
+        >>> m = Membership("a", 1, "f")
+        >>> _ = m.heard("b", 1, 5.0, status="done")
+        >>> m.new_life(2, target=["b"], now=6.0)
+        >>> m.finished(["b"])  # said before this life began
+        False
+        >>> _ = m.heard("b", 1, 7.0, status="done")
+        >>> m.finished(["b"]), m.finished([])
+        (True, False)
+        """
+        ids = [i for i in ids if i != self.self_id]
+        if not ids:
+            return False
+        for mid in ids:
+            m = self.members.get(mid)
+            if m is not None:
+                if m.status != "done" or m.status_at < self.life_began:
+                    return False
+            elif mid not in self.departed_at or self.departed_at[mid] < self.life_began:
+                return False
+        return True
 
     def take_renewed(self) -> list[str]:
         """The ids that (re)appeared since the last call."""
@@ -293,39 +355,102 @@ class Membership:
         return [[mid, m.incarnation] for mid, m in sorted(self.members.items())]
 
     # -- who trains in which round -------------------------------------------------------
-    def start(self, ids: Iterable[str]) -> None:
-        """The cluster starts training with members ``ids`` from round 0."""
+    def life_of(self, mid: str) -> int | None:
+        """The incarnation of ``mid`` this node knows (its member table), if any."""
+        m = self.members.get(mid)
+        return m.incarnation if m is not None else None
+
+    def start(self, ids: Iterable[str], incarnations: Iterable[int | None] | None = None) -> None:
+        """The cluster starts training with members ``ids`` from round 0 (each in the
+        life ``incarnations`` names; default: the one in the member table)."""
+        ids = list(ids)
+        incs = list(incarnations) if incarnations is not None else [self.life_of(i) for i in ids]
         self.base = set(ids)
+        self.started = True
+        for mid, inc in zip(ids, incs):
+            if inc is not None:
+                self.lives[mid] = inc
         self.version += 1
 
-    def announce_join(self, mid: str, round: int) -> bool:
+    def counts(self, mid: str, incarnation: int | None = None) -> bool:
+        """Whether ``mid`` (in life ``incarnation``, when given) is a starter or an
+        announced joiner without an announced leave."""
+        if incarnation is not None and mid in self.lives and self.lives[mid] != incarnation:
+            return False
+        return (mid in self.base or mid in self.joins) and mid not in self.leaves
+
+    def _life(self, mid: str, inc: int | None) -> str:
+        """How a join or leave of life ``inc`` relates to ``mid``'s record: "same"
+        (or unknown: legacy lists without lives), "stale" or "newer"."""
+        if mid == self.self_id:
+            return "same" if inc is None or inc == self.incarnation else "stale"
+        known = self.lives.get(mid)
+        if inc is None or known is None or inc == known:
+            return "same"
+        return "stale" if inc < known else "newer"
+
+    def announce_join(self, mid: str, round: int, incarnation: int | None = None) -> bool:
         """``mid`` takes part from ``round`` on; the earliest announcement wins
-        (every node keeps the same one once all have heard both)."""
+        (every node keeps the same one once all have heard both).
+
+        ``incarnation`` names the life that joins (default: the one in the member
+        table). A join of a newer life than the one recorded replaces the record
+        (the restarted node's old life trains no more); of an older life, it is
+        stale and changes nothing. So a node that hears the old life's leave only
+        after the new life's join keeps the join, as one that heard them in order.
+        """
+        inc = incarnation if incarnation is not None else (self.lives.get(mid) or self.life_of(mid))
+        relation = self._life(mid, inc)
+        if relation == "stale":
+            return False
         left = self.leaves.get(mid)
-        if left is not None and left <= round:  # a restarted node: a new life, announced afresh
+        if relation == "newer" or (left is not None and left <= round and (incarnation is None
+                                                                           or mid not in self.lives)):
+            # a restarted node: a new life, announced afresh
             self.base.discard(mid)
             self.joins.pop(mid, None)
-            del self.leaves[mid]
+            self.leaves.pop(mid, None)
         old = self.joins.get(mid)
         if mid in self.base or (old is not None and old <= round):
             return False
         self.joins[mid] = round
+        if inc is not None and mid != self.self_id:
+            self.lives[mid] = inc
+        early = self.early_leaves.get(mid)
+        if early is not None and early[0] == inc:
+            del self.early_leaves[mid]
+            self.announce_leave(mid, early[1], inc)
         self.version += 1
         return True
 
-    def announce_leave(self, mid: str, round: int) -> bool:
+    def announce_leave(self, mid: str, round: int, incarnation: int | None = None) -> bool:
         """``mid`` no longer takes part from ``round`` on; the earliest announcement wins.
 
-        A leave at or before the round a joiner is scheduled for is its previous
-        life's (a member that saw the restart before it heard of the join): the
-        join stands. A death verdict on a joiner is announced after its join.
+        ``incarnation`` names the life that leaves (default: the one recorded). A
+        leave of an older life is stale; of a newer life whose join has not arrived
+        yet, it waits for that join. Without a life, a leave at or before the round
+        a joiner is scheduled for is its previous life's (a member that saw the
+        restart before it heard of the join): the join stands. A death verdict on a
+        joiner is announced after its join.
         """
-        old = self.leaves.get(mid)
-        if mid == self.self_id or (old is not None and old <= round):
+        if mid == self.self_id:
             return False
-        if mid not in self.base and mid not in self.joins:
-            return False  # it never trained with us
-        if mid not in self.base and self.joins[mid] >= round:
+        relation = self._life(mid, incarnation)
+        if relation == "stale":
+            return False
+        if relation == "newer" or (mid not in self.base and mid not in self.joins):
+            if incarnation is not None and (mid not in self.early_leaves or self.early_leaves[mid][0] < incarnation
+                                            or self.early_leaves[mid][1] > round):
+                if len(self.early_leaves) < 4096 or mid in self.early_leaves:
+                    self.early_leaves[mid] = (incarnation, round)
+            return False  # it never trained with us (in that life): nothing to take effect yet
+        old = self.leaves.get(mid)
+        if mid not in self.base:
+            if self.joins[mid] >= round:
+                if incarnation is None:
+                    return False
+                round = self.joins[mid] + 1  # that life's own leave: after its join, as everyone puts it
+        if old is not None and old <= round:
             return False
         self.leaves[mid] = round
         self.version += 1

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from gossip import wire
-from gossip.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gossip.checkpoint import checkpoint_step, latest_checkpoint, load_checkpoint, save_checkpoint
 from gossip.compression import get_codec
 from gossip.control import ControlPlane
 from gossip.membership import Membership, parse_address, topology_for
@@ -55,6 +55,8 @@ from gossip.transport.zmq import ZmqTransport
 __all__ = ["PeerConfig", "Peer", "PeerError", "resolve_device"]
 
 log = logging.getLogger("gossip.peer")
+
+LATE_ROUNDS = 3  # synchronous rounds timed out in a row before the node looks for a neighbour out of step
 
 
 class PeerError(RuntimeError):
@@ -242,13 +244,20 @@ class Peer:
         self._rejoin_via: str | None = None  # the member that announced it (asked first to take us back)
         self._rejoin_cluster: set[str] = set()  # the members of the cluster to join
         self._merging = False  # it is another cluster (met after a partition), not ours
+        # the step this node resumes from (--resume), told to the others while it waits: a
+        # cluster restarted as a whole starts at the furthest of its members' checkpoints
+        ck = latest_checkpoint(config.checkpoint_dir) if config.resume and config.checkpoint_dir else None
+        self._resume_step = checkpoint_step(ck) if ck is not None else 0
         self.state_from: str | None = None
+        self._state_step = 0  # the step of the member state taken (state_from's)
         self.resumed_from: str | None = None
         self.rank: int | None = None
         self.world_size: int | None = None
         self.train_seconds = 0.0
         self.trained_steps = 0
         self.max_step_gap = 0.0
+        self.timed_out_rounds = 0  # synchronous rounds that waited --timeout in vain
+        self._late = 0  # of which in a row (reset by a round that completed)
         self.node_rejected: Counter[str] = Counter()
         self._topologies: dict[tuple, Any] = {}
         self._dcs: dict[str, str] = {}  # datacenter label of every member we trained with (bytes by link class)
@@ -281,7 +290,7 @@ class Peer:
     # -- shared with the I/O thread --------------------------------------------------------
     def _progress(self) -> tuple[str, int, int]:
         node = self.node
-        return self.status, (node.round if node else 0), (node.step if node else 0)
+        return self.status, (node.round if node else 0), (node.step if node else self._resume_step)
 
     def _send_message(self, dst: str, msg: Message) -> None:
         self.transport.send(dst, wire.encode(msg), droppable=False)  # control traffic
@@ -381,7 +390,7 @@ class Peer:
             with self.lock:
                 others = self.membership.others()
                 running = [m for m in others if self.membership.members[m].status in ("training", "done")]
-                base_known = bool(self.membership.base)
+                base_known = self.membership.started
                 in_base = self.id in self.membership.base
             if running:
                 if base_known:
@@ -442,6 +451,8 @@ class Peer:
             self._pull_state(start_round)
         if cfg.resume and not self.rejoins:  # a new life takes the cluster's state, not its own past
             self._resume()
+        if mode == "member" or (mode == "fresh" and cfg.resume):
+            self._align_start()
         self.status = "training"
         with self.lock:
             self.membership.training = True
@@ -469,8 +480,9 @@ class Peer:
         self.rejoins += 1
         self.merges += self._merging
         with self.lock:
-            self.incarnation = self.control.incarnation = max(time.time_ns() // 1000, self.incarnation + 1)
-            self.membership.new_life(self.incarnation, target=self._rejoin_cluster)
+            self.incarnation = max(time.time_ns() // 1000, self.incarnation + 1)
+            self.control.new_life(self.incarnation)
+            self.membership.new_life(self.incarnation, target=self._rejoin_cluster, now=self.clock())
             self.status = "waiting"
             prior, self.node = self.node, None
             self._state_replies.clear()
@@ -504,10 +516,11 @@ class Peer:
             if m.target:  # joining another cluster: ask only its members
                 others = [o for o in others if o in m.target]
             # only a training member schedules a join: when all have finished (or said
-            # goodbye), nobody will, and waiting --join-timeout would only idle
-            ask = m.target or others
-            if ask and all(m.members[o].status == "done" if o in m.members else o in m.departed for o in ask):
-                raise PeerError("every member of the cluster it joins has finished training")
+            # goodbye), nobody will, and waiting --join-timeout would only idle. Only what
+            # they said in this life counts (see Membership.finished)
+            if m.finished(m.target or others):
+                raise PeerError("every member of the cluster it joins has finished training ("
+                                + ", ".join(sorted(m.target or others)) + ")")
             self.lock.release()
             try:
                 if self._rejoin_via is not None:  # the member that dropped us knows the running cluster
@@ -552,7 +565,7 @@ class Peer:
                         node.jump_to(start_round * cfg.period)
                         if reply.weight is not None and hasattr(node.rule, "weight"):
                             node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
-                        self.state_from = donor
+                        self.state_from, self._state_step = donor, reply.progress
                         log.info("%s: took the state of %s (its step %d); joining at round %d", self.id, donor,
                                  reply.progress, start_round)
                         self._state_replies.clear()
@@ -562,7 +575,27 @@ class Peer:
         node.jump_to(start_round * cfg.period)
         log.warning("%s: no member sent its state; joining with a fresh model", self.id)
 
+    def _align_start(self) -> None:
+        """Start where the starters are: a cluster restarted as a whole (each member
+        from its own checkpoint, of different steps) at the furthest step any of
+        them reports, and a starter that is late at the step the others reached.
+        Synchronous rounds need every member in the same round."""
+        node = self.node
+        assert node is not None
+        with self.lock:
+            steps = [m.step for k, m in self.membership.members.items() if k in node.members and k != self.id]
+        step = max([node.step, *steps])
+        if step != node.step:
+            log.info("%s: starting at step %d with the other starters (this node was at step %d)", self.id, step,
+                     node.step)
+            node.jump_to(step)
+
     def _resume(self) -> None:
+        """``--resume``: continue from the newest checkpoint. A node that joined a running
+        cluster keeps the cluster's round and step whatever the checkpoint says (its
+        members wait for this node's messages of their rounds, not of the checkpoint's);
+        it takes the checkpoint's parameters and optimizer state only when no member
+        sent a state, or the member's is older."""
         node, cfg = self.node, self.cfg
         assert node is not None and cfg.checkpoint_dir
         path = latest_checkpoint(cfg.checkpoint_dir)
@@ -570,13 +603,25 @@ class Peer:
             log.info("%s: --resume: no checkpoint in %s, starting fresh", self.id, cfg.checkpoint_dir)
             return
         state = load_checkpoint(path)
-        if self.state_from is not None and int(state["step"]) < node.step:
-            log.info("%s: the member state (step %d) is newer than checkpoint %s (step %d); keeping it",
-                     self.id, node.step, path.name, state["step"])
+        if state.get("fingerprint") != node.fingerprint:
+            raise ValueError(f"checkpoint {path} is for model fingerprint {state.get('fingerprint')!r}, "
+                            f"this node's model is {node.fingerprint!r}")
+        if not self.joined:
+            node.load_state_dict(state)
+            self.resumed_from = str(path)
+            log.info("%s: resumed from %s at step %d", self.id, path, node.step)
             return
-        node.load_state_dict(state)
+        if self.state_from is not None and int(state["step"]) <= self._state_step:
+            log.info("%s: the member state (step %d) is newer than checkpoint %s (step %d); keeping it",
+                     self.id, self._state_step, path.name, state["step"])
+            return
+        node.adopt(state["flat"].to(self.device))
+        if node.optimizer is not None and state.get("optimizer") is not None:
+            node.optimizer.load_state_dict(state["optimizer"])
         self.resumed_from = str(path)
-        log.info("%s: resumed from %s at step %d", self.id, path, node.step)
+        log.info("%s: took the parameters of checkpoint %s (step %d, %s); training in the cluster's round %d",
+                 self.id, path.name, state["step"], "no member state" if self.state_from is None else
+                 f"the member state was of step {self._state_step}", node.round)
 
     # -- the training driver (this thread) -------------------------------------------------
     def _topology_for(self, members: list[str]) -> Any:
@@ -710,8 +755,13 @@ class Peer:
         while not node.ready():
             remaining = deadline - self.clock()
             if remaining <= 0:
+                self.timed_out_rounds += 1
+                self._late += 1
+                awaited = node.awaited()
                 log.info("%s: round %d timed out waiting for neighbours (%s)", self.id, node.round,
-                         ", ".join(map(str, node.awaited())))
+                         ", ".join(map(str, awaited)))
+                if self._late >= LATE_ROUNDS:
+                    self._out_of_step(awaited)
                 return
             if self.stop.is_set() or self._excluded is not None:
                 return
@@ -720,6 +770,37 @@ class Peer:
                 if all(e not in alive for e in node.awaited()):
                     return  # mix without the dead; a live neighbour's message is worth its wait
             self._service(min(remaining, 0.05))
+        self._late = 0
+
+    def _out_of_step(self, awaited: list[str]) -> None:
+        """Rounds keep timing out while the neighbours waited for are alive: say so, and
+        act on what their pings report. A neighbour far behind this node's round trains
+        in a world of its own (it counts rounds that this cluster finished long ago):
+        drop it, as a death, so that it learns it and joins again as a new life. When
+        this node is the one far behind, it starts a new life itself."""
+        node = self.node
+        assert node is not None
+        margin = self.membership.join_margin + self.membership.leave_margin
+        with self.lock:
+            alive = {j: (m.status, m.round) for j in awaited if (m := self.membership.members.get(j)) is not None}
+            cluster = self.membership.eventual()
+        if self._late == LATE_ROUNDS or self._late & (self._late - 1) == 0:  # 3, 4, 8, 16 ...: not every round
+            log.warning("%s: %d synchronous rounds in a row timed out waiting for %s (alive: %s); this node is at "
+                        "round %d", self.id, self._late, ", ".join(awaited) or "nobody",
+                        ", ".join(f"{j} {st} at round {r}" for j, (st, r) in sorted(alive.items())) or "none",
+                        node.round)
+        for j, (status, rnd) in sorted(alive.items()):
+            if status != "training":
+                continue
+            if rnd < node.round - margin:
+                self.control.drop(j, f"out of step: it trains in round {rnd}, this cluster in round {node.round}")
+            elif rnd > node.round + margin and self._excluded is None:
+                log.warning("%s: %s trains in round %d, far ahead of this node's round %d: this node is out of "
+                            "step with its cluster; joining again as a new life", self.id, j, rnd, node.round)
+                self._excluded, self._rejoin_via, self._merging = rnd, j, False
+                self._rejoin_cluster = set(cluster) - {self.id}
+                return
+        self.control.hello_all(sorted(alive))  # their member lists, in case ours and theirs differ
 
     def _service(self, block: float) -> None:
         """Handle what the I/O thread handed over: state messages, state requests and replies."""
@@ -859,7 +940,7 @@ class Peer:
                    merges=self.merges,
                    state_from=self.state_from, resumed_from=self.resumed_from, interrupted=self.interrupted,
                    device=str(self.device), wall_time_s=self.clock() - self.t0, train_time_s=self.train_seconds,
-                   max_step_gap_s=self.max_step_gap, recoveries=node.recoveries if node is not None else 0,
+                   max_step_gap_s=self.max_step_gap, timed_out_rounds=self.timed_out_rounds, recoveries=node.recoveries if node is not None else 0,
                    held_sends=node.held_sends if node is not None else 0,
                    steps_per_s=self.trained_steps / self.train_seconds if self.train_seconds > 0 else None)
         if self._metrics is not None and node is not None:

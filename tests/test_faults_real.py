@@ -8,14 +8,18 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 import torch
+import zmq
 
+from gossip import wire
 from gossip.checkpoint import latest_checkpoint, load_checkpoint
+from gossip.message import Message
 from gossip.peer import Peer, PeerConfig
-from benchmarks.faults import heal
+from benchmarks.faults import JOINED_AT, heal
 from tests.cluster import Cluster, free_port, wait_for_step
 
 FAST = ["--heartbeat", "0.25", "--dead-after", "2", "--settle", "1", "--grace", "5", "--timeout", "5"]
@@ -86,26 +90,38 @@ def test_a_restarted_node_takes_the_newer_state_and_catches_up(tmp_path):
 @pytest.mark.slow
 def test_a_paused_node_declared_dead_joins_again_by_itself(tmp_path):
     """SIGSTOP (a suspended job, a swapped-out VM) past --dead-after: the others drop
-    the node; when it runs again it learns so, starts a new life and joins again."""
-    steps, n = 2500, 4
+    the node; when it runs again it learns so, starts a new life and joins again.
+
+    Timed by events, not by the machine's speed: the others train until the test
+    stops them with SIGTERM, 1000 steps after the node came back (before, a fixed
+    2500 steps could end before it did on a fast machine)."""
+    n = 4
     ports = [free_port() for _ in range(n)]
+    metrics = tmp_path / "n1.jsonl"
     with Cluster(tmp_path) as c:
-        nodes = [c.start(f"n{i}", ring(ports, i, steps, "--join-margin", "10"), port=ports[i]) for i in range(n)]
-        nodes[1].wait_for_log("training as", 120)
-        time.sleep(2.0)
+        nodes = [c.start(f"n{i}", ring(ports, i, 10**7, "--join-margin", "10", *(
+            ["--log", str(metrics), "--eval-every", "50"] if i == 1 else [])), port=ports[i]) for i in range(n)]
+        wait_for_step(metrics, 100, 180)
         nodes[1].proc.send_signal(signal.SIGSTOP)
-        nodes[0].wait_for_log("removed: silent for more than 2 s", 30)
+        nodes[0].wait_for_log("removed: silent for more than 2 s", 60)
         time.sleep(1.0)  # the others train on without it
         nodes[1].proc.send_signal(signal.SIGCONT)
-        codes = [x.wait(300) for x in nodes]
+        nodes[1].wait_for_log("took the state of", 120)
+        joined = int(JOINED_AT.findall(nodes[1].log())[-1])
+        wait_for_step(metrics, joined + 1000, 300)
+        for x in nodes:
+            x.proc.send_signal(signal.SIGTERM)
+        codes = c.wait_all(120)
         assert codes == [0, 0, 0, 0], nodes[1].log()[-3000:]
         s = nodes[1].summary()
         others = [x.summary() for x in (nodes[0], nodes[2], nodes[3])]
         log = nodes[1].log()
     assert "the cluster declared it dead while it was alive" in log, log[-3000:]
     assert s["rejoins"] == 1 and s["joined"] and s["state_from"] is not None, s
-    assert s["steps"] == steps and s["members"] == 4, s
+    assert s["steps"] >= joined + 1000 and s["members"] == 4, s
     assert all(o["members"] == 4 for o in others), others  # it is back in everyone's topology
+    # the rounds since it came back completed (each timed-out one waits --timeout 5 s)
+    assert s["timed_out_rounds"] <= 2 and all(o["timed_out_rounds"] <= 2 for o in others), (s, others)
     # everyone, the node that came back included, ends close to its current neighbours
     # (the distance counts only them, not members it mixed with before the change)
     distances = [x["neighbor_distance"] for x in (s, *others)]
@@ -178,19 +194,36 @@ def test_a_node_whose_cluster_has_finished_does_not_wait_for_a_join_round():
     members have all finished (done, serving out their grace period) trains on alone
     at once instead of idling for --join-timeout."""
     finished = f"127.0.0.1:{free_port()}"
+    stop = threading.Event()
+
+    def done_member(peer):
+        # a finished member serving out its grace period: its pings say "done"
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, finished.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect("tcp://" + peer.id)
+        try:
+            while not stop.wait(0.1):
+                sock.send_multipart(wire.encode(Message("ping", finished, 400, 400, 0, None, None,
+                                                        {"inc": 1, "status": "done", "dc": ""}, peer.fingerprint)))
+        finally:
+            sock.close(0)
 
     def finish(peer):
-        if peer.node.step == 100:
-            with peer.lock:
-                peer.membership.heard(finished, 1, peer.clock(), status="done")
+        if peer.node.step == 1:
+            threading.Thread(target=done_member, args=(peer,), daemon=True).start()
 
-    summary = _alone_until_told_to_join(finished, 60.0, finish)
+    try:
+        summary = _alone_until_told_to_join(finished, 60.0, finish)
+    finally:
+        stop.set()
     assert summary["steps"] == 300 and summary["rejoins"] == 1 and not summary["joined"], summary
     assert summary["wall_time_s"] < 30, summary["wall_time_s"]  # it did not wait out --join-timeout
 
 
 USER_LOOP = textwrap.dedent("""
-    import json, logging, sys
+    import json, logging, os, sys
     import torch
     import torch.nn.functional as F
     import gossip
@@ -198,6 +231,9 @@ USER_LOOP = textwrap.dedent("""
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     listen, peers, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    # the test may set the cluster's last step later, in this file (read every 50 steps)
+    target = sys.argv[4] if len(sys.argv) > 4 else None
+    progress = sys.argv[5] if len(sys.argv) > 5 else None
     torch.set_num_threads(1)
     data = SyntheticTask()
     torch.manual_seed(0)
@@ -214,6 +250,14 @@ USER_LOOP = textwrap.dedent("""
         F.cross_entropy(model(X[idx]), y[idx]).backward()
         opt.step()
         node.step()
+        if target is not None and node.steps % 50 == 0:
+            try:
+                steps = int(open(target).read())
+            except (OSError, ValueError):
+                pass
+            if progress is not None:
+                open(progress + ".tmp", "w").write(str(node.steps))
+                os.replace(progress + ".tmp", progress)
     print(json.dumps({**node.close(), **data.evaluate(model)}, default=str))
 """)
 
@@ -221,23 +265,37 @@ USER_LOOP = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_paused_user_loop_declared_dead_joins_again_by_itself(tmp_path):
     """The same stall as above in a training loop of the user's own (GossipNode):
-    its next ``step()`` learns that it was dropped and joins again."""
-    # The others must still train when it joins again: about 8 s after they start (the
-    # stall, then 1.5 x --dead-after before it believes the verdict). This small model
-    # runs up to 380 steps/s here; with 2500 steps the others had finished by then.
-    steps, n = 6000, 3
+    its next ``step()`` learns that it was dropped and joins again.
+
+    Timed by events: the loops train until the test writes their last step, 1500
+    steps past the moment the node came back (before, a fixed step count could end
+    before it did on a fast machine)."""
+    n = 3
     ports = [free_port() for _ in range(n)]
     script = tmp_path / "loop.py"
     script.write_text(USER_LOOP)
+    target, progress = tmp_path / "target", tmp_path / "progress"
     with Cluster(tmp_path) as c:
-        nodes = [c.start(f"u{i}", [f"127.0.0.1:{ports[(i + 1) % n]}", str(steps)], port=ports[i], script=script)
-                 for i in range(n)]
-        nodes[1].wait_for_log("training as", 120)
-        time.sleep(2.0)
+        nodes = [c.start(f"u{i}", [f"127.0.0.1:{ports[(i + 1) % n]}", str(10**9), str(target),
+                                   str(progress) + str(i)], port=ports[i], script=script) for i in range(n)]
+
+        def step_of(i: int) -> int:
+            try:
+                return int((tmp_path / f"progress{i}").read_text())
+            except (OSError, ValueError):
+                return 0
+
+        deadline = time.monotonic() + 180
+        while step_of(1) < 100 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert step_of(1) >= 100, nodes[1].log()[-3000:]
         nodes[1].proc.send_signal(signal.SIGSTOP)
-        nodes[0].wait_for_log("removed: silent for more than 2 s", 30)
+        nodes[0].wait_for_log("removed: silent for more than 2 s", 60)
         time.sleep(1.0)
         nodes[1].proc.send_signal(signal.SIGCONT)
+        nodes[1].wait_for_log("took the state of", 120)
+        last = max(step_of(i) for i in range(n)) + 1500
+        target.write_text(str(last))
         codes = [x.wait(300) for x in nodes]
         assert codes == [0] * n, nodes[1].log()[-3000:]
         s = nodes[1].summary()
@@ -245,7 +303,7 @@ def test_a_paused_user_loop_declared_dead_joins_again_by_itself(tmp_path):
         log = nodes[1].log()
     assert "the cluster declared it dead while it was alive" in log, log[-3000:]
     assert s["rejoins"] == 1 and s["joined"] and s["state_from"] is not None, s
-    assert s["steps"] == steps and all(o["steps"] == steps for o in others), (s, others)
+    assert s["steps"] == last and all(o["steps"] == last for o in others), (last, s, others)
     assert s["members"] == n and all(o["members"] == n for o in others), (s, others)
     assert s["accuracy"] > 0.8, s
     distances = [x["neighbor_distance"] for x in (s, *others)]
@@ -295,3 +353,42 @@ def test_kill_9_during_checkpoints_never_leaves_a_corrupt_file(tmp_path):
         # if this writer died during its very first save, the previous one's
         assert len(list(d.glob(".ckpt-*.tmp"))) <= 2
     assert last > 0
+
+
+def _churn(tmp_path, restarts: int, every: float, clean_run: bool) -> dict:
+    from benchmarks.churn import churn
+
+    return churn(tmp_path, restarts=restarts, every=every, down=2.0, seed=1, tail=15.0, clean_run=clean_run)
+
+
+def _check_churn(r: dict) -> None:
+    n = r["nodes"]
+    assert r["restarts"] >= 1 and r["kill_exit_codes"] == [-signal.SIGKILL], r["kills"]
+    assert r["exit_codes"] == [0] * n, r
+    assert r["steps_at_end"] == [r["steps"]] * n, r  # nobody fell behind in a world of its own
+    assert r["members_at_end"] == [n] * n, r
+    restarted = {k["node"] for k in r["kills"]}
+    for i in range(n):
+        if i in restarted:  # a restarted node joins with a neighbour's state
+            assert r["joined"][i] and r["state_from"][i] is not None, (i, r)
+
+
+@pytest.mark.slow
+def test_a_cluster_under_churn_keeps_training_and_every_restart_joins(tmp_path):
+    """5 real nodes; one gets SIGKILL every 8 s and starts again with --resume, 6 times.
+    The run length comes from the measured fault-free rate, so churn lasts the window
+    on any machine. Every new life joins the running cluster with a neighbour's
+    state, and all five finish together with five members. Under sustained churn the
+    cluster used to wedge: see test_membership's schedule tests for the causes."""
+    _check_churn(_churn(tmp_path, restarts=6, every=8.0, clean_run=False))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("GOSSIP_SOAK"), reason="soak form: set GOSSIP_SOAK=1 (about 25 minutes)")
+def test_a_cluster_under_churn_for_ten_minutes_keeps_its_goodput(tmp_path):
+    """The soak form: a SIGKILL and restart every 15 s for 10 minutes, against a clean
+    run of the same steps (benchmarks/churn.py reports the same figures)."""
+    r = _churn(tmp_path, restarts=40, every=15.0, clean_run=True)
+    _check_churn(r)
+    assert r["goodput"] >= 0.9, r["goodput"]
+    assert r["accuracy_change_pts"] >= -1.0, r["accuracy_change_pts"]

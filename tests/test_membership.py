@@ -204,7 +204,8 @@ def _split(me: str, starters: list[str], other_side: list[str], rnd: int) -> Pla
 def _lists(p: Plane) -> dict:
     """The member lists ``p`` sends (the extra fields of its members message)."""
     x = p.cp._members_message().extra
-    return {k: x[k] for k in ("mids", "mincs", "base", "jids", "jrounds", "lids", "lrounds") if k in x}
+    return {k: x[k] for k in ("mids", "mincs", "base", "jids", "jrounds", "lids", "lrounds", "bincs", "jincs",
+                              "lincs") if k in x}
 
 
 def test_the_halves_of_a_healed_partition_meet_and_the_smaller_joins_the_larger():
@@ -404,3 +405,139 @@ def test_a_node_joining_another_cluster_neither_joins_nor_reaches_its_old_partne
     joiner.receive("members", w1, status="training", rnd=2600, **_lists(west))
     assert joiner.m.eventual() == {e1, e2, e3, w2}, joiner.m.leaves
     assert joiner.merges == [] and joiner.excluded == []
+
+
+def test_a_new_life_decides_that_its_cluster_finished_only_from_what_it_heard_since():
+    """The verdict "every member of the cluster it joins has finished" (then it trains
+    alone instead of waiting for a join round) needs each member's own word "done", or
+    its goodbye, heard after the new life began. Before, leftovers read as that
+    verdict: a paused node came back while the others trained and trained alone."""
+    a, b, c, d, e = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1", "10.0.0.5:1"
+    me = Plane(b, status="training", rnd=800)
+    for other in (a, c, d):
+        me.m.heard(other, 1, 1.0, status="training", round=800)
+    me.m.heard(e, 1, 1.0, status="done", round=900)  # of an earlier cluster: finished long ago
+    me.m.start([a, b, c, d])
+    me.m.remove(d, "said goodbye", departed=True, now=2.0)  # an earlier goodbye
+    me.cp.tick(2.0)
+    me.m.members[c].status = "done"  # a leftover status, told before this life
+    me.m.members[c].status_at = 2.5
+    me.status = "waiting"
+    me.m.new_life(2, target={a, c, d}, now=10.0)
+    assert not me.m.finished({a, c, d})  # a trains; c's "done" and d's goodbye are from before
+    assert not me.m.finished({c, d}) and not me.m.finished({e})  # leftovers only
+    assert not me.m.finished(set()) and not me.m.finished({b})  # an empty set is no evidence
+    me.m.remove(a, "silent for more than 2 s")  # a silent member is not a finished one
+    assert not me.m.finished({a})
+    # what this life hears counts
+    me.receive("ping", c, status="training", rnd=810)
+    me.cp.now = 11.0
+    me.receive("ping", c, status="done", rnd=820)
+    assert not me.m.finished({c, d})  # d's goodbye is still from before this life
+    me.cp.now = 12.0
+    me.receive("ping", d, inc=1, status="training", rnd=820)  # departed: that life's last words are dropped
+    me.receive("bye", e, status="done", rnd=900)
+    assert me.m.finished({c, e})
+    assert not me.m.finished({a, c, e})
+
+
+def test_a_restarted_starter_s_join_heard_before_its_old_life_s_leave_stands():
+    """Under churn: x, a starter, restarts; b hears of the new life's join (a's list)
+    before it hears of the old life's leave (c's list). Before, b ignored the join (a
+    starter needs none), then took the leave, and dropped x for good while a and c
+    trained with it: every round between them timed out."""
+    a, b, c, x = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"
+    planes = {n: Plane(n, status="training", rnd=100) for n in (a, b, c)}
+    for n, p in planes.items():
+        for other in (a, b, c, x):
+            if other != n:
+                p.m.heard(other, 1, 0.0, status="training", round=100)
+        p.m.start([a, b, c, x])
+    pa, pb, pc = planes[a], planes[b], planes[c]
+    pc.m.remove(x, "silent for more than 2 s")  # c declares the old life dead: leave at 105
+    pa.m.remove(x, "silent for more than 2 s")
+    pa.receive("hello", x, inc=2, status="waiting")  # the new life says hello to a: join at 120
+    join = pa.m.joins[x]
+    assert join > pa.m.leaves.get(x, 0) or x not in pa.m.leaves
+    pb.receive("members", a, status="training", rnd=100, **_lists(pa))  # b: the join first
+    pb.receive("members", c, status="training", rnd=100, **_lists(pc))  # then the old life's leave
+    pc.receive("members", a, status="training", rnd=100, **_lists(pa))
+    for r in (101, 110, join - 1, join, join + 50):
+        assert pa.m.at_round(r) == pb.m.at_round(r) == pc.m.at_round(r), r
+    assert x in pb.m.at_round(join) and pb.m.eventual() == {a, b, c, x}
+    assert pa.m.schedule_digest() == pb.m.schedule_digest() == pc.m.schedule_digest()
+
+
+def test_joins_and_leaves_of_lives_give_one_schedule_in_any_order():
+    """Every order of the same announcements (two lives of x, a death of y's joiner
+    life, a leave that arrives before its join) leaves the same schedule."""
+    import itertools
+
+    a, x, y = "10.0.0.1:1", "10.0.0.4:1", "10.0.0.5:1"
+    events = [("leave", x, 105, 1), ("join", x, 120, 2), ("leave", x, 140, 2), ("join", x, 160, 3),
+              ("join", y, 130, 7), ("leave", y, 150, 7)]
+    schedules = set()
+    for order in itertools.permutations(events):
+        m = Membership(a, 1, FP)
+        m.heard(x, 1, 0.0, status="training")
+        m.start([a, x])
+        m.training = True
+        for kind, who, rnd, inc in order:
+            (m.announce_join if kind == "join" else m.announce_leave)(who, rnd, inc)
+        schedules.add((tuple(tuple(m.at_round(r)) for r in (100, 110, 125, 135, 145, 155, 165)),
+                       m.schedule_digest()))
+    assert len(schedules) == 1, schedules
+    (rounds, _), = schedules
+    # the record holds x's latest life (from 160; its earlier lives train no more), y from 130 to 150
+    assert rounds == ((a,), (a,), (a,), (a, y), (a, y), (a,), (a, x))
+
+
+def test_what_the_lists_said_of_a_previous_life_is_not_judged_in_the_new_one():
+    """Between the verdict "dropped" and the new life, lists still carry the old life's
+    leave. Before, that evidence was judged 1.5 x dead_after later, when the new life
+    already trained: it started a second new life for nothing (a paused-node test
+    ended with rejoins 2)."""
+    a, b = "10.0.0.1:1", "10.0.0.2:1"
+    me = Plane(b, status="training", rnd=40)
+    me.m.heard(a, 1, 0.0, status="training", round=60)
+    me.m.start([a, b])
+    lists = dict(mids=[a], mincs=[1], base=[a, b], lids=[b], lrounds=[45])
+    me.receive("members", a, status="training", rnd=60, **lists)
+    _keep_alive(me, [a], 0.0, 3.0)
+    assert me.excluded == [(45, a)]
+    me.cp.now = 3.2
+    me.receive("members", a, status="training", rnd=62, **lists)  # before the training thread acts on it
+    assert me.cp.excluded_by  # gathered while this life still trains
+    me.status = "waiting"
+    me.cp.new_life(2)
+    me.m.new_life(2, target={a}, now=3.3)
+    me.receive("members", a, status="training", rnd=62, mids=[a, b], mincs=[1, 2], base=[a], jids=[b],
+               jrounds=[82], jincs=[2])
+    assert me.m.joins == {b: 82}
+    me.status, me.m.training = "training", True  # joined again
+    _keep_alive(me, [a], 3.5, 8.0)
+    assert me.excluded == [(45, a)]  # not judged again
+
+
+def test_a_cluster_whose_starters_all_restarted_still_schedules_joins():
+    """Under churn every starter restarts in time and leaves the starting set. Before,
+    an empty starting set read as "not started": members sent no schedule and
+    scheduled no join, and every node restarted after that waited forever (the
+    cluster wedged after ~25 restarts of 5 nodes)."""
+    a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    pa = Plane(a, status="training", rnd=100)
+    pa.m.heard(b, 1, 0.0, status="training", round=100)
+    pa.m.start([a, b])
+    pa.receive("hello", b, inc=2, status="waiting")  # b restarted: a new life joins
+    assert b not in pa.m.base and b in pa.m.joins
+    pa.m.base.discard(a)  # a restarted too (its new life learned the schedule without itself as a starter)
+    pa.m.joins[a] = 50
+    assert pa.m.base == set()
+    pa.receive("hello", c, inc=1, status="waiting")  # a newcomer
+    join = pa.m.joins.get(c)
+    assert join is not None and join >= 100 + pa.m.join_margin
+    reply = [m for d, m in pa.sent if d == c and m.kind == "members"][-1]
+    assert reply.extra["base"] == [] and c in reply.extra["jids"]  # the schedule travels
+    pc = Plane(c)
+    pc.receive("members", a, status="training", rnd=100, **_lists(pa))
+    assert pc.m.started and pc.m.joins[c] == join and pc.m.at_round(join) == [a, b, c]

@@ -74,14 +74,19 @@ def test_emulated_latency_and_bandwidth_delay_every_message():
         b.close()
 
 
-def _arrivals(got, quiet=1.0):
-    """Payloads received until none arrives for ``quiet`` seconds, in arrival order."""
+def _arrivals(got, quiet=1.0, expect=0, timeout=60.0):
+    """Payloads received, in arrival order: at least ``expect`` of them (waiting up to
+    ``timeout`` seconds: a loaded machine may take a while to connect), then until none
+    arrives for ``quiet`` seconds (so that a duplicate would be seen)."""
     seen = []
+    deadline = time.monotonic() + timeout
     while True:
+        wait = quiet if len(seen) >= expect else max(0.01, deadline - time.monotonic())
         try:
-            seen.append(got.get(timeout=quiet)[1])
+            seen.append(got.get(timeout=wait)[1])
         except queue.Empty:
-            return seen
+            if len(seen) >= expect or time.monotonic() >= deadline:
+                return seen
 
 
 def test_emulated_drop_loses_exactly_the_nth_state_message():
@@ -142,7 +147,7 @@ def test_control_messages_wait_for_a_fresh_connection_state_messages_do_not():
         a.send(b.node_id, [b"state-0"])  # dropped: IMMEDIATE, not connected yet
         for i in range(3):
             a.send(b.node_id, [b"ctl-%d" % i], droppable=False)
-        seen = _arrivals(got)
+        seen = _arrivals(got, expect=3)
         assert seen == [b"ctl-0", b"ctl-1", b"ctl-2"]  # all of them, once each, in order
         assert a.dropped[b.node_id] == 1
     finally:

@@ -1,0 +1,199 @@
+"""Churn, measured: real ``gossip-node`` processes killed with SIGKILL and started
+again with ``--resume``, one every ``--every`` seconds, while the cluster trains.
+
+5 nodes on a ring, synthetic task, ``--dead-after 2``, a checkpoint every 200
+steps. Three runs of the same cluster:
+
+1. calibration: the fault-free cluster trains for a few seconds; its rate
+   (steps per second, read from the checkpoints) sets the run length, so that
+   training lasts the churn window whatever the machine's speed;
+2. clean: the fault-free cluster trains that many steps;
+3. churn: the same, and every ``every`` seconds one node drawn at random (seeded)
+   gets SIGKILL and starts again ``down`` seconds later with the same flags and
+   ``--resume``, ``restarts`` times.
+
+Reported: goodput (clean time over churn time for the same steps), the slowest
+stretch between two local steps in any node's last life, every node's exit code
+and steps, how each last life started (joined with a neighbour's state or not),
+the members at the end, the rounds that timed out, and the final accuracy
+against the clean run's.
+
+    python benchmarks/churn.py [--restarts 40] [--every 15] [--down 2] [--seed 0]
+
+Ends with one JSON line. ``benchmarks/faults.py`` runs it too (``--churn``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gossip.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from tests.cluster import Cluster, NodeProc, free_port  # noqa: E402
+
+FLAGS = ["--topology", "ring", "--task", "synthetic", "--json", "--dead-after", "2", "--checkpoint-every", "200"]
+
+
+def _checkpoint_step(directory: Path) -> int:
+    path = latest_checkpoint(directory)
+    if path is None:
+        return 0
+    try:
+        return int(load_checkpoint(path)["step"])
+    except Exception:  # being replaced right now: the next look finds it
+        return 0
+
+
+def _args(ports: list[int], i: int, steps: int, ck: Path, extra: list[str]) -> list[str]:
+    return ["--peers", f"127.0.0.1:{ports[(i + 1) % len(ports)]}", "--steps", str(steps), "--checkpoint-dir",
+            str(ck / f"n{i}"), *FLAGS, *extra]
+
+
+def _cluster_step(ck: Path, n: int) -> int:
+    return max(_checkpoint_step(ck / f"n{i}") for i in range(n))
+
+
+def calibrate(work: Path, n: int, extra: list[str], window: float = 8.0) -> float:
+    """Steps per second of the fault-free cluster, measured over ``window`` seconds of training."""
+    ports = [free_port() for _ in range(n)]
+    ck = work / "calibrate"
+    with Cluster(work) as c:
+        nodes = [c.start(f"cal{i}", _args(ports, i, 10**9, ck, extra), port=ports[i]) for i in range(n)]
+        for x in nodes:
+            x.wait_for_log("training as", 180)
+        deadline = time.monotonic() + 120
+        while _cluster_step(ck, n) == 0 and time.monotonic() < deadline:  # the first checkpoint
+            time.sleep(0.1)
+        s0, t0 = _cluster_step(ck, n), time.monotonic()
+        time.sleep(window)
+        s1, t1 = _cluster_step(ck, n), time.monotonic()
+        for x in nodes:
+            x.proc.send_signal(signal.SIGTERM)
+        c.wait_all(120)
+    if s1 <= s0:
+        raise RuntimeError(f"the fault-free cluster did not advance in {window} s (step {s0})")
+    return (s1 - s0) / (t1 - t0)
+
+
+def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts: int = 0, every: float = 15.0,
+        down: float = 2.0, seed: int = 0, timeout: float = 1800.0) -> dict:
+    """One run of ``steps`` steps; with ``restarts``, kill and restart nodes as described above."""
+    ports = [free_port() for _ in range(n)]
+    ck = work / name
+    rng = random.Random(seed)
+    kills: list[dict] = []
+    with Cluster(work) as c:
+        current: list[NodeProc] = [c.start(f"{name}{i}.0", _args(ports, i, steps, ck, extra), port=ports[i])
+                                   for i in range(n)]
+        for x in current:
+            x.wait_for_log("training as", 180)
+        started = time.monotonic()
+        next_kill = started + every
+        while len(kills) < restarts and any(x.proc.poll() is None for x in current):
+            time.sleep(max(0.0, min(next_kill - time.monotonic(), 0.5)))
+            if time.monotonic() < next_kill:
+                continue
+            i = rng.randrange(n)
+            victim = current[i]
+            if victim.proc.poll() is not None:  # it finished: the run is ending
+                break
+            at_step = _checkpoint_step(ck / f"n{i}")
+            victim.proc.send_signal(signal.SIGKILL)
+            code = victim.proc.wait(30)
+            time.sleep(down)
+            current[i] = c.start(f"{name}{i}.{len(kills) + 1}", _args(ports, i, steps, ck, [*extra, "--resume"]),
+                                 port=ports[i])
+            kills.append({"node": i, "at_s": round(time.monotonic() - started, 2), "checkpoint_step": at_step,
+                          "exit": code})
+            next_kill += every
+        codes = []
+        for x in current:
+            try:
+                codes.append(x.wait(max(1.0, started + timeout - time.monotonic())))
+            except Exception:
+                codes.append(None)
+        elapsed = time.monotonic() - started
+        summaries = []
+        for x in current:
+            try:
+                summaries.append(x.summary())
+            except AssertionError:
+                summaries.append({"node": x.addr, "steps": None, "error": x.log()[-2000:]})
+        timeouts = sum(log.count("timed out waiting") for log in (x.log() for x in c.nodes))
+    return {"elapsed_s": elapsed, "exit_codes": codes, "kills": kills, "summaries": summaries,
+            "timed_out_rounds": timeouts}
+
+
+def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, down: float = 2.0, seed: int = 0,
+          tail: float = 20.0, extra: list[str] | None = None, steps: int | None = None,
+          clean_run: bool = True) -> dict:
+    """Calibrate, then a clean and a churn run of the same steps; returns the figures.
+    ``steps`` skips the calibration; without ``clean_run`` only the churn run is made
+    (a diagnosis: goodput and the accuracy change are then None)."""
+    extra = list(extra or [])
+    rate = None
+    if steps is None:
+        rate = calibrate(work, n, extra)
+        steps = int(rate * (restarts * every + tail)) // 200 * 200 + 200
+    clean = run(work, "clean", n, steps, extra) if clean_run else None
+    faulty = run(work, "churn", n, steps, extra, restarts=restarts, every=every, down=down, seed=seed)
+    if clean is None:
+        clean = {"elapsed_s": math.nan, "summaries": [{}], "timed_out_rounds": None}
+    acc_clean = [s.get("final_accuracy") for s in clean["summaries"]]
+    acc = [s.get("final_accuracy") for s in faulty["summaries"]]
+    last = faulty["summaries"]
+    return {
+        "nodes": n, "steps": steps, "calibrated_steps_per_s": rate, "restarts": len(faulty["kills"]),
+        "every_s": every, "down_s": down, "seed": seed,
+        "goodput": clean["elapsed_s"] / faulty["elapsed_s"],
+        "clean_s": clean["elapsed_s"], "churn_s": faulty["elapsed_s"],
+        "exit_codes": faulty["exit_codes"], "kill_exit_codes": sorted({k["exit"] for k in faulty["kills"]}),
+        "steps_at_end": [s.get("steps") for s in last],
+        "members_at_end": [s.get("members") for s in last],
+        "joined": [s.get("joined") for s in last], "state_from": [s.get("state_from") for s in last],
+        "rejoins": [s.get("rejoins") for s in last],
+        "max_step_gap_s": max((s.get("max_step_gap_s") or 0.0) for s in last),
+        "timed_out_rounds": faulty["timed_out_rounds"], "timed_out_rounds_clean": clean["timed_out_rounds"],
+        "timed_out_rounds_at_end": [s.get("timed_out_rounds") for s in last],
+        "accuracy_clean": sum(acc_clean) / len(acc_clean) if None not in acc_clean else None,
+        "accuracy": acc,
+        "accuracy_change_pts": (100 * (min(acc) - sum(acc_clean) / len(acc_clean))
+                                if None not in acc and None not in acc_clean else None),
+        "kills": faulty["kills"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=5)
+    ap.add_argument("--restarts", type=int, default=40)
+    ap.add_argument("--every", type=float, default=15.0, help="seconds between two kills")
+    ap.add_argument("--down", type=float, default=2.0, help="seconds a killed node stays down")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", metavar="DIR", help="keep the logs and checkpoints in DIR")
+    ap.add_argument("--steps", type=int, help="steps per node (default: measured, to last the churn)")
+    ap.add_argument("--churn-only", action="store_true", help="no clean run (a diagnosis: no goodput)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        r = churn(work, n=args.nodes, restarts=args.restarts, every=args.every, down=args.down, seed=args.seed,
+                  steps=args.steps, clean_run=not args.churn_only)
+    print(f"churn: {r['restarts']} restarts, one every {r['every_s']:g} s, {r['steps']} steps: goodput "
+          f"{r['goodput']:.3f} (clean {r['clean_s']:.1f} s, churn {r['churn_s']:.1f} s); slowest stretch between "
+          f"two steps {r['max_step_gap_s']:.2f} s; steps at the end {r['steps_at_end']}; members {r['members_at_end']}"
+          f"; accuracy change {r['accuracy_change_pts']} pts")
+    print(json.dumps(r, default=str))
+
+
+if __name__ == "__main__":
+    main()
