@@ -16,8 +16,10 @@
    to 30 s after each node starts (``--emulate inter:down=20s-30s``; ``--cut``
    moves the window: on a shared 2-core VM five nodes took 6-11 s from their
    start to training, so a cut from 10 s sometimes came before it). Every
-   node must be training before its cut begins and must drop every node of
-   the other side during it. Each side trains on alone; when the link is
+   node must be training before its cut begins (a run where one is not is
+   discarded and tried again, up to ``--heal-attempts``, 3 by default; the JSON
+   line counts the attempts) and must drop every node of the other side
+   during it. Each side trains on alone; when the link is
    back the two meet and west joins east. Reported:
    seconds from the end of the cut (each node's start, as it logs it, plus
    30 s) until each west node took an east node's state, new lives, members
@@ -27,7 +29,8 @@
    parameters x1000. Mean accuracy of the honest nodes without and with
    clipped gossip (``clip="auto"``), and the cost of clipping on a clean run.
 
-    python benchmarks/faults.py [--steps 1500] [--dead-after 2] [--seeds 3] [--cut 20-30] [--skip-real]
+    python benchmarks/faults.py [--steps 1500] [--dead-after 2] [--seeds 3] [--cut 20-30] [--heal-attempts 3]
+                                [--skip-real]
 
 Ends with one JSON line.
 """
@@ -158,6 +161,10 @@ def partition() -> dict:
             "consensus_final": r.history[-1]["consensus_distance"], "final_accuracy": r.summary["final_accuracy"]}
 
 
+class CutBeforeTraining(RuntimeError):
+    """A node was not training yet when its cut began: that run measures no partition."""
+
+
 def _wait(done, timeout: float, what: str) -> None:
     """Poll ``done()`` every 0.1 s until it is true; AssertionError naming ``what`` after ``timeout`` s."""
     end = time.monotonic() + timeout
@@ -200,7 +207,7 @@ def heal(workdir: Path, cut: tuple[float, float] = (20.0, 30.0), after: int = 50
         began = [_log_times(x.log(), "training as")[0] - starts[i] for i, x in enumerate(nodes)]
         for x, b in zip(nodes, began):  # the fault happens to a cluster that trains, or not at all
             if b >= cut[0]:
-                raise RuntimeError(f"{x.name} began training {b:.1f} s after its start, not before the cut "
+                raise CutBeforeTraining(f"{x.name} began training {b:.1f} s after its start, not before the cut "
                                    f"began at {cut[0]:g} s: this machine is too slow for that cut (try --cut "
                                    f"{cut[0] + 10:g}-{cut[1] + 10:g})")
         # the cut: every node drops every node of the other side, during its own cut
@@ -252,6 +259,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--cut", default="20-30", metavar="START-END",
                     help="heal: seconds after each node's start during which the datacenters are cut apart")
+    ap.add_argument("--heal-attempts", type=int, default=3,
+                    help="heal: runs to try before giving up when a node is not yet training at its cut; the "
+                         "JSON line says how many it took")
     ap.add_argument("--skip-real", action="store_true", help="only the simulator measurements")
     args = ap.parse_args()
     try:
@@ -260,6 +270,8 @@ def main() -> None:
             raise ValueError
     except ValueError:
         ap.error(f"--cut must be START-END seconds with 0 < START < END, got {args.cut!r}")
+    if args.heal_attempts < 1:
+        ap.error(f"--heal-attempts must be at least 1, got {args.heal_attempts}")
     result: dict = {}
     if not args.skip_real:
         result["crash"] = c = crash(args.steps, args.dead_after)
@@ -273,12 +285,20 @@ def main() -> None:
     print(f"partition: consensus {p['consensus_before']:.3g} before, {p['consensus_end_of_split']:.3g} at the end "
           f"of the split, {p['consensus_final']:.3g} at the end; accuracy {p['final_accuracy']:.4f}")
     if not args.skip_real:
-        with tempfile.TemporaryDirectory() as tmp:
-            h = heal(Path(tmp), cut)
+        for attempt in range(1, args.heal_attempts + 1):  # a run whose cut missed training is no measurement
+            try:
+                with tempfile.TemporaryDirectory() as tmp:
+                    h = heal(Path(tmp), cut)
+                break
+            except CutBeforeTraining as e:
+                print(f"heal: attempt {attempt} of {args.heal_attempts} discarded: {e}", flush=True)
+                if attempt == args.heal_attempts:
+                    raise
         result["heal"] = {k: v for k, v in h.items() if k not in ("summaries", "logs")}
+        result["heal"]["attempts"] = attempt
         print(f"heal: west joined east {', '.join(f'{t:.1f}' for t in h['merged_after_cut_s'])} s after the cut "
               f"ended; new lives {h['rejoins']}, members at the end {h['members_at_end']}, neighbour distances "
-              f"{max(h['neighbor_distance']):.4f} at most")
+              f"{max(h['neighbor_distance']):.4f} at most (attempt {attempt})")
     result["byzantine"] = b = byzantine(args.seeds)
     print(f"byzantine x1000: honest accuracy clean {b['mean_clean']:.4f}, attacked {b['mean_attack']:.4f}, "
           f"attacked+clip {b['mean_attack_clip']:.4f}, clean+clip {b['mean_clean_clip']:.4f}")
