@@ -260,3 +260,15 @@ def test_outer_with_low_bit_pseudo_gradients_trains_at_a_fraction_of_the_bytes(c
     assert packed["rule"] == "choco"
     assert full["bytes_sent"] / packed["bytes_sent"] > ratio
     assert packed["final_loss"] < full["final_loss"] + 0.08
+
+
+def test_the_node_sets_the_inner_rules_attributes_through_the_wrapper():
+    from gossip.mixing import PushSumRule
+
+    rule = OuterRule(PushSumRule(), OuterSpec("nesterov", 0.7, 0.9))
+    rule.weight = 0.25  # a joiner resets its push-sum mass (gossip.peer)
+    rule.overlap = True
+    rule.sends_live = True
+    assert (rule.inner.weight, rule.inner.overlap, rule.inner.sends_live) == (0.25, True, True)
+    assert rule.weight == 0.25 and rule.synchronous and rule.name == "push-sum"
+    assert "weight" not in vars(rule)
