@@ -2,7 +2,8 @@
 
 The same node code runs as a real ZeroMQ peer (``gossip-node``), inside the
 one-laptop discrete-event simulator (``gossip-sim``), and from research
-scripts through :func:`gossip.simulate`.
+scripts through :func:`gossip.simulate`. A training loop of your own gossips
+through :class:`gossip.GossipNode`.
 """
 
 from __future__ import annotations
@@ -10,21 +11,22 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "simulate", "Simulation", "SimConfig", "SimulationResult", "GossipNode",
-           "MixingSettings"]
+           "MixingSettings", "ShardSampler", "shard"]
+
+_LAZY = {"simulate": "gossip.api", "Simulation": "gossip.api", "SimConfig": "gossip.api",
+         "SimulationResult": "gossip.api", "MixingSettings": "gossip.mixing.settings",
+         "GossipNode": "gossip.user_loop", "ShardSampler": "gossip.sampler", "shard": "gossip.sampler"}
 
 
 def __getattr__(name: str):
     # Lazy so that ``import gossip.compression`` or ``gossip.wire`` stays light.
-    if name in ("simulate", "Simulation", "SimConfig", "SimulationResult"):
-        from gossip import api
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gossip' has no attribute {name!r}")
+    import importlib
 
-        return getattr(api, name)
-    if name == "MixingSettings":
-        from gossip.mixing.settings import MixingSettings
+    return getattr(importlib.import_module(module), name)
 
-        return MixingSettings
-    if name == "GossipNode":
-        from gossip.user_loop import GossipNode
 
-        return GossipNode
-    raise AttributeError(f"module 'gossip' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -33,7 +33,7 @@ __all__ = ["ControlPlane"]
 
 log = logging.getLogger("gossip.control")
 
-NODE_KINDS = frozenset({"state", "state-request", "state-reply"})  # handled by the node thread
+NODE_KINDS = frozenset({"state", "state-request", "state-reply", "average"})  # handled by the node thread
 MAX_CONFLICTS = 64  # peers we remember (and answer) for refusing to mix: each costs a connection
 MAX_LOGGED = 10_000  # (peer, reason) pairs logged once each
 MAX_PROBED = 64  # members declared dead we keep saying hello to (the most recent); lists that drop us kept

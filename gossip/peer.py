@@ -267,6 +267,8 @@ class Peer:
         self._incarnations: dict[str, int | None] = {}  # sender -> the life whose sequence numbers we track
         self._metrics = None
         self.on_step: Any = None  # called with this peer after every training step (gossip-node's progress bar)
+        self.on_average: Any = None  # GossipNode's collectives: called with each "average" message
+        self.serving = False  # done, but still taking part in rounds for the members that train (GossipNode)
         # a state-reply carries the parameters and each outer optimizer's momentum
         mixing = config.mixing
         momenta = sum(1 for c in ("intra", "inter") if mixing.for_link(c).outer.momentum > 0) \
@@ -409,6 +411,10 @@ class Peer:
                 if now - last_note >= 2.0:
                     last_note = now
                     log.info("%s: waiting to start with %d member(s): %s", self.id, len(others) + 1, why)
+            if not others and seeds and now - last_note >= 2.0:
+                last_note = now  # a lone node says what it waits for, not only when join_timeout ends
+                log.warning("%s: no peer has answered yet (%s); training alone in %.0f s (join_timeout) if "
+                            "none does", self.id, ", ".join(seeds), max(0.0, cfg.join_timeout - (now - start)))
             if not others and not seeds and now - start >= cfg.settle:
                 return "fresh"  # nobody to wait for: the first node of a cluster
             if not others and now - start >= cfg.join_timeout:
@@ -823,7 +829,7 @@ class Peer:
                 if len(self._early) < 1024:
                     self._early.append((msg, self._incarnation_of(msg.sender)))
                 return
-            if self.status == "done":
+            if self.status == "done" and not self.serving:
                 return  # finished: nothing to mix into
             self._note_incarnation(msg.sender)
             if not node.deliver(msg):
@@ -836,6 +842,9 @@ class Peer:
             reply = Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
                             weight, {"inc": self.incarnation, **extra}, self.fingerprint)
             self._send_message(msg.sender, reply)
+        elif msg.kind == "average":  # a collective of a training loop of the user's own (GossipNode)
+            if self.on_average is not None:
+                self.on_average(msg)
         elif msg.kind == "state-reply":
             # wanted only while a joiner pulls a state, and a few at most: each holds a whole model
             if node is not None and self.status == "waiting" and msg.fingerprint == self.fingerprint \

@@ -44,7 +44,8 @@ __all__ = ["TAG", "VERSION", "KINDS", "WireError", "encode", "decode", "message_
 VERSION = 1
 PREFIX = b"GSP/"
 TAG = PREFIX + str(VERSION).encode()
-KINDS = frozenset({"state", "hello", "members", "ping", "pong", "bye", "state-request", "state-reply"})
+KINDS = frozenset({"state", "hello", "members", "ping", "pong", "bye", "state-request", "state-reply",
+                   "average"})
 DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 MAX_HEADER = 64 * 1024
 MAX_FRAMES = 2 + 65536  # with 1 MiB chunks: 64 GiB; ZeroMQ's MAXMSGSIZE bounds the real total
