@@ -181,7 +181,9 @@ class _Recorder:
         mean_step = sim.steps_done / self.n
         avg = self.evaluate_average()
         live = self.live()
-        per_node = [self.task.evaluate(n.model, self.cfg.device) for n in live]
+        batched = getattr(sim, "batched", None)  # evaluates every row in a few vectorised calls
+        per_node = (batched.evaluate(live) if batched is not None else None) \
+            or [self.task.evaluate(n.model, self.cfg.device) for n in live]
         train = [n.pop_mean_loss() for n in live]
         train = [x for x in train if not math.isnan(x)]
         rec = {

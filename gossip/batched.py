@@ -164,6 +164,7 @@ class BatchedSteps:
         self.slots = [(f"model.{s.name}", s.offset, s.numel, tuple(s.shape)) for s in first.state.slots]
         self._grad = torch.func.vmap(torch.func.grad_and_value(_functional_loss(task, first.model)),
                                      randomness="error")
+        self._eval_model = copy.deepcopy(first.model).eval()  # its parameters are swapped for the rows'
         self.rows = ReplicaRows([self.nodes[i].state for i in order])
         opt = stacked_optimizer(first.optimizer, first.state.slots, len(self.nodes), first.numel,
                                 first.state.dtype, first.device)
@@ -222,6 +223,30 @@ class BatchedSteps:
                 node.after_update()
             else:  # the NaN guard put the last good parameters back; the optimizer starts afresh
                 self.optimizer.reset(self.row_of[node.id])
+
+    def evaluate(self, nodes: Sequence[Any], block: int = 256) -> list[dict[str, float]] | None:
+        """``task.evaluate`` of each of ``nodes``, computed for ``block`` rows at a time by
+        the task's ``evaluate_stacked`` (None when the task has none: evaluate per node)."""
+        stacked = getattr(self.task, "evaluate_stacked", None)
+        if stacked is None:
+            return None
+        self.flush()
+        matrix = self.rows.matrix
+        model = self._eval_model
+        out: list[dict[str, float]] = []
+        for lo in range(0, len(nodes), block):
+            rows = torch.tensor([self.row_of[n.id] for n in nodes[lo:lo + block]], device=matrix.device)
+            x = matrix.index_select(0, rows)
+            k = x.shape[0]
+            params = {name[len("model."):]: x[:, off:off + numel].view(k, *shape)
+                      for name, off, numel, shape in self.slots}
+
+            def forward(inputs: torch.Tensor, params: dict[str, torch.Tensor] = params) -> torch.Tensor:
+                call = lambda p: torch.func.functional_call(model, p, (inputs,))  # noqa: E731
+                return torch.func.vmap(call)(params)
+
+            out.extend(stacked(forward, self.device))
+        return out
 
     def _run(self, members: list[tuple[int, Any, Any]]) -> list[tuple[Any, float]]:
         """One vectorised step over rows that share a batch shape; returns (node, loss) pairs."""

@@ -156,6 +156,22 @@ class ClassificationTask(Task):
         return {"loss": loss, "accuracy": acc}
 
 
+    @torch.no_grad()
+    def evaluate_stacked(self, forward: Callable[[torch.Tensor], torch.Tensor],
+                         device: torch.device | str = "cpu") -> list[dict[str, float]]:
+        """:meth:`evaluate` for many replicas at once (the batched engine's evaluation).
+
+        forward : inputs ``[N, ...]`` -> every replica's logits ``[k, N, classes]``
+            (in eval mode); returns one dict per replica
+        """
+        logits = forward(self.X_test.to(device))
+        y = self.y_test.to(device)
+        k, n, classes = logits.shape
+        loss = F.cross_entropy(logits.reshape(k * n, classes), y.repeat(k), reduction="none").view(k, n).mean(1)
+        acc = (logits.argmax(2) == y).float().mean(1)
+        return [{"loss": lo, "accuracy": a} for lo, a in zip(loss.tolist(), acc.tolist())]
+
+
 class SyntheticTask(ClassificationTask):
     """Generated classification: a Gaussian mixture with several clusters per class.
 

@@ -292,3 +292,22 @@ def test_character_language_model_batches():
     assert (diff < 1e-5).float().mean() > 0.99 and diff.median() < 1e-7
     init = torch.stack(simulate(dataclasses.replace(cfg, steps=0)).params)
     assert (torch.stack(bat.params) - init).abs().max() > 1e-3  # AdamW moved them
+
+
+def test_batched_evaluation_matches_each_nodes_own():
+    sim = Simulation(SimConfig(nodes=7, task="digits", steps=30, seed=4, engine="batched", slow="2=3"))
+    sim.run(until=0.15)
+    assert len({n.step for n in sim.nodes}) > 1  # nodes at different steps: different models
+    stacked = sim.batched.evaluate(sim.nodes, block=3)  # blocks of 3 rows: 3 vectorised calls
+    own = [sim.task.evaluate(n.model) for n in sim.nodes]
+    assert len(stacked) == 7
+    for s, o in zip(stacked, own):
+        assert s["loss"] == pytest.approx(o["loss"], abs=1e-5) and s["accuracy"] == pytest.approx(o["accuracy"])
+    assert len({round(o["loss"], 6) for o in own}) > 1
+    # a task without a stacked evaluation is evaluated per node
+    class Plain(SyntheticTask):
+        evaluate_stacked = None
+
+    plain = Simulation(SimConfig(nodes=3, task=Plain(samples=200, test_samples=50), steps=4, engine="batched"))
+    assert plain.batched.evaluate(plain.nodes) is None
+    assert plain.run().result().summary["mean_node_accuracy"] > 0
