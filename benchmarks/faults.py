@@ -18,7 +18,8 @@
    start to training, so a cut from 10 s sometimes came before it). Every
    node must be training before its cut begins (a run where one is not is
    discarded and tried again, up to ``--heal-attempts``, 3 by default; the JSON
-   line counts the attempts) and must drop every node of the other side
+   line counts the attempts, and if none measured a partition it holds no heal
+   figures and the exit status is 1) and must drop every node of the other side
    during it. Each side trains on alone; when the link is
    back the two meet and west joins east. Reported:
    seconds from the end of the cut (each node's start, as it logs it, plus
@@ -252,7 +253,7 @@ def byzantine(seeds: int) -> dict:
             "clip_cost_pts": 100 * (mean["clean_clip"] - mean["clean"])}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--dead-after", type=float, default=2.0)
@@ -285,6 +286,7 @@ def main() -> None:
     print(f"partition: consensus {p['consensus_before']:.3g} before, {p['consensus_end_of_split']:.3g} at the end "
           f"of the split, {p['consensus_final']:.3g} at the end; accuracy {p['final_accuracy']:.4f}")
     if not args.skip_real:
+        h = None
         for attempt in range(1, args.heal_attempts + 1):  # a run whose cut missed training is no measurement
             try:
                 with tempfile.TemporaryDirectory() as tmp:
@@ -292,18 +294,21 @@ def main() -> None:
                 break
             except CutBeforeTraining as e:
                 print(f"heal: attempt {attempt} of {args.heal_attempts} discarded: {e}", flush=True)
-                if attempt == args.heal_attempts:
-                    raise
-        result["heal"] = {k: v for k, v in h.items() if k not in ("summaries", "logs")}
-        result["heal"]["attempts"] = attempt
-        print(f"heal: west joined east {', '.join(f'{t:.1f}' for t in h['merged_after_cut_s'])} s after the cut "
-              f"ended; new lives {h['rejoins']}, members at the end {h['members_at_end']}, neighbour distances "
-              f"{max(h['neighbor_distance']):.4f} at most (attempt {attempt})")
+                refused = str(e)
+        if h is None:  # no figures, and a failing exit status: the scenario did not happen
+            result["heal"] = {"attempts": args.heal_attempts, "refused": refused}
+        else:
+            result["heal"] = {k: v for k, v in h.items() if k not in ("summaries", "logs")}
+            result["heal"]["attempts"] = attempt
+            print(f"heal: west joined east {', '.join(f'{t:.1f}' for t in h['merged_after_cut_s'])} s after the "
+                  f"cut ended; new lives {h['rejoins']}, members at the end {h['members_at_end']}, neighbour "
+                  f"distances {max(h['neighbor_distance']):.4f} at most (attempt {attempt})")
     result["byzantine"] = b = byzantine(args.seeds)
     print(f"byzantine x1000: honest accuracy clean {b['mean_clean']:.4f}, attacked {b['mean_attack']:.4f}, "
           f"attacked+clip {b['mean_attack_clip']:.4f}, clean+clip {b['mean_clean_clip']:.4f}")
     print(json.dumps(result, default=float))
+    return 1 if "refused" in result.get("heal", {}) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

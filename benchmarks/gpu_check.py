@@ -157,13 +157,17 @@ def measure(device: str, steps: int, warmup: int, repeat: int, hidden: int, time
                 ports = [free_port(), free_port()]
                 for i in range(2):
                     jobs[i].put((ports[i], ports[1 - i], steps, warmup, CONFIGS[name]))
-                pair = []
-                for _ in range(2):
+                pair: list[dict] = []
+                while len(pair) < 2:
                     try:
-                        pair.append(out.get(timeout=max(1.0, deadline - time.monotonic())))
+                        pair.append(out.get(timeout=1.0))
                     except queue.Empty:
-                        raise RuntimeError(f"gpu_check: {name} (round {r + 1}) did not finish within {timeout:.0f} s "
-                                           "of the start") from None
+                        dead = [w.exitcode for w in workers if w.exitcode is not None]
+                        if dead:  # its traceback is on stderr
+                            raise RuntimeError(f"gpu_check: a worker exited ({dead}) during {name}, round {r + 1}")
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"gpu_check: {name} (round {r + 1}) did not finish within "
+                                               f"{timeout:.0f} s of the start") from None
                 runs[name].append({"step_ms": max(x["step_ms"] for x in pair),
                                    "neighbor_distance": max(x["neighbor_distance"] for x in pair),
                                    "bytes_sent": sum(x["bytes_sent"] for x in pair), "params": pair[0]["params"],

@@ -188,3 +188,31 @@ def test_sim_scale_benchmark_quick():
     assert result["peak_gib"][1] > result["peak_gib"][0] > 0
     assert result["kib_per_node"] > 19  # at least one float32 copy of the 4810-parameter model per node
     assert result["max_nodes_8gib"] > 1024
+
+
+def test_faults_refuses_a_heal_whose_cut_missed_training(monkeypatch, capsys):
+    """A heal run where a node was not training at its cut measures no partition:
+    it is tried again, and when every try misses, the JSON line holds no heal
+    figures and the exit status is 1."""
+    import benchmarks.faults as faults
+
+    tries = []
+
+    def heal(workdir, cut):
+        tries.append(cut)
+        raise faults.CutBeforeTraining("heal0 began training 31.0 s after its start")
+
+    monkeypatch.setattr(faults, "heal", heal)
+    monkeypatch.setattr(faults, "crash", lambda steps, dead_after: {
+        "faulty": {"victims": {}, "survivors": 6, "max_step_gap_s": 2.0, "mean_accuracy": 0.9},
+        "clean": {"max_step_gap_s": 0.1, "mean_accuracy": 0.9}})
+    monkeypatch.setattr(faults, "partition", lambda: {"consensus_before": 0.02, "consensus_end_of_split": 0.9,
+                                                      "consensus_final": 0.01, "final_accuracy": 0.95})
+    monkeypatch.setattr(faults, "byzantine", lambda seeds: {"mean_clean": 0.96, "mean_attack": 0.1,
+                                                            "mean_attack_clip": 0.95, "mean_clean_clip": 0.96})
+    monkeypatch.setattr(sys, "argv", ["faults.py", "--heal-attempts", "2", "--cut", "15-25"])
+    assert faults.main() == 1
+    assert tries == [(15.0, 25.0), (15.0, 25.0)]
+    out = capsys.readouterr().out.strip().splitlines()
+    assert sum("discarded" in line for line in out) == 2
+    assert json.loads(out[-1])["heal"] == {"attempts": 2, "refused": "heal0 began training 31.0 s after its start"}
