@@ -413,7 +413,7 @@ class Peer:
                     log.info("%s: waiting to start with %d member(s): %s", self.id, len(others) + 1, why)
             if not others and seeds and now - last_note >= 2.0:
                 last_note = now  # a lone node says what it waits for, not only when join_timeout ends
-                log.warning("%s: no peer has answered yet (%s); training alone in %.0f s (join_timeout) if "
+                log.info("%s: no peer has answered yet (%s); training alone in %.0f s (join_timeout) if "
                             "none does", self.id, ", ".join(seeds), max(0.0, cfg.join_timeout - (now - start)))
             if not others and not seeds and now - start >= cfg.settle:
                 return "fresh"  # nobody to wait for: the first node of a cluster

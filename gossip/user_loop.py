@@ -277,7 +277,9 @@ class GossipNode:
         assert node is not None
         self._calls += 1
         call = self._calls
-        msg = Message("average", peer.id, call, node.step, 0, get_codec("none").encode(values.contiguous()), None,
+        # float64 travels as the bytes of twice as many float32 (the codecs carry no float64)
+        wire_values = values.to(torch.float64).contiguous().view(torch.float32)
+        msg = Message("average", peer.id, call, node.step, 0, get_codec("none").encode(wire_values), None,
                       {"inc": peer.incarnation, "op": op}, peer.fingerprint)
         for m in node.members:
             if m != peer.id:
@@ -305,8 +307,12 @@ class GossipNode:
         if op not in ("avg", "model", "start") or msg.data is None or msg.fingerprint != self.peer.fingerprint:
             self.peer.control.reject(str(msg.sender), "average", "a bad average message")
             return
-        like = torch.empty(0, dtype=torch.float32 if op == "start" else torch.float64)
-        values = decode_payload(msg, like).clone()
+        values = decode_payload(msg, torch.empty(0, dtype=torch.float32)).clone()
+        if op != "start":
+            if values.numel() % 2:
+                self.peer.control.reject(str(msg.sender), "average", "an odd-sized average message")
+                return
+            values = values.view(torch.float64)
         if not bool(torch.isfinite(values).all()):
             self.peer.control.reject(str(msg.sender), "non-finite", "an average message")
             return
@@ -354,7 +360,10 @@ class GossipNode:
         assert node is not None
         if not any(ch.rule.synchronous for ch in node.channels):
             return
-        peer.status, peer.serving = "done", True  # the others learn it from our pings
+        peer.status, peer.serving = "done", True
+        # said now, not at the next ping: it reaches each member before this node's next round does,
+        # so a member whose data ends later knows that nobody needs it to serve
+        peer.control.broadcast(peer.control._members_message())
         step, served = node.step, 0
         try:
             while not peer.stop.is_set() and peer._excluded is None:

@@ -53,6 +53,17 @@ class ScriptProc:
             time.sleep(0.1)
         raise AssertionError(f"{self.name}: {pattern!r} not logged:\n{self.log()[-3000:]}")
 
+    def wait_for_stdout(self, pattern: str, timeout: float) -> re.Match:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            m = re.search(pattern, self.stdout())
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name}: {pattern!r} not printed:\n{self.log()[-3000:]}")
+
     def reap(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
@@ -132,3 +143,67 @@ def test_converted_script_runs_as_three_agreeing_nodes(tmp_path, case):
     finals = [figures(p, pattern)[-1] for p in procs]
     assert max(finals) - min(finals) <= tolerance, finals
     assert any("took the starting parameters of" in p.log() for p in procs), [p.log()[-2000:] for p in procs]
+
+
+def test_unequal_shards_stall_nobody(tmp_path):
+    """Shards of 300, 400 and 500 samples (6, 8, 10 batches an epoch): the nodes whose
+    data ends first keep taking part in rounds until the last one ends (DDP's Join)
+    instead of leaving it to wait out a round timeout per round."""
+    procs = run_cluster(tmp_path, SCRIPTS / "uneven_shards.py", [])
+    check_clean(procs)
+    trained = [finished(p)[1] for p in procs]
+    by_rank = {int(re.search(r"training as (\d) of 3", p.log()).group(1)): t for p, t in zip(procs, trained)}
+    assert by_rank == {0: 18, 1: 24, 2: 30}, by_rank
+    served = [p for p in procs if "more round(s) while others trained" in p.log()]
+    assert len(served) == 2, [p.log()[-1500:] for p in procs]
+
+
+def test_killed_node_restarts_at_the_clusters_step_and_epoch(tmp_path):
+    """kill -9 one node after it wrote a checkpoint, start it again with the same
+    checkpoint directory: it continues in the epoch and at the step the cluster is
+    at (not from its first epoch), and everyone ends at the same step."""
+    n = 3
+    ports = [free_port() for _ in range(n)]
+    last = tmp_path / "last"
+    script = SCRIPTS / "restartable.py"
+
+    def start(i: int, name: str) -> ScriptProc:
+        return ScriptProc(tmp_path, name, script, ports[i], ports[(i + 1) % n],
+                          ["--checkpoints", str(tmp_path / f"ck{i}"), "--last", str(last)])
+
+    procs = [start(i, f"n{i}") for i in range(n)]
+    try:
+        spe = int(re.search(r"steps per epoch (\d+)", procs[1].wait_for_stdout(r"steps per epoch \d+", 120)
+                            .group(0)).group(1))
+        ck = tmp_path / "ck1"
+        end = time.monotonic() + 120
+        while not list(ck.glob("ckpt-*.pt")) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert list(ck.glob("ckpt-*.pt")), procs[1].log()[-3000:]
+        procs[1].proc.send_signal(signal.SIGKILL)
+        procs[1].proc.wait(timeout=10)
+        done = re.findall(r"steps (\d+)", procs[1].stdout())
+        killed_at = int(done[-1]) if done else 0  # the last epoch it finished
+        back = start(1, "n1b")
+        procs.append(back)
+        m = back.wait_for(r"continuing at step (\d+)", 120)
+        resumed = int(m.group(1))
+        epochs_now = [int(e) for p in (procs[0], procs[2]) for e in re.findall(r"epoch (\d+) ", p.stdout())]
+        target = max(epochs_now + [resumed // spe]) + 3
+        last.write_text(str(target))
+        for p in (procs[0], procs[2], back):
+            p.proc.wait(timeout=240)
+    finally:
+        for p in procs:
+            p.reap()
+    for p in (procs[0], procs[2], back):
+        assert p.proc.returncode == 0, p.log()[-3000:]
+    assert resumed > 0 and resumed >= killed_at, (resumed, killed_at)
+    first = re.search(r"epoch (\d+) batches (\d+)", back.stdout())
+    assert first, back.stdout()
+    # the epoch it was in, the batches of it still to do: not its first epoch again
+    assert (int(first.group(1)), int(first.group(2))) == (resumed // spe, spe - resumed % spe), (first.group(0), resumed)
+    ends = [finished(p) for p in (procs[0], procs[2], back)]
+    assert {s for s, _, _ in ends} == {(target + 1) * spe}, ends
+    assert ends[2][1] == (target + 1) * spe - resumed, ends  # trained only the steps after its restart
+    assert list((tmp_path / "ck1").glob("ckpt-*.pt")) and list((tmp_path / "ck0").glob("ckpt-*.pt"))
