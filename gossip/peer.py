@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -64,9 +65,14 @@ class PeerError(RuntimeError):
 
 
 def resolve_device(spec: str) -> torch.device:
-    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``; ValueError otherwise."""
+    """``auto`` (CUDA when available: ``cuda:LOCAL_RANK`` under torchrun, else
+    ``cuda:0``; otherwise CPU), ``cpu``, ``cuda`` or ``cuda:N``; ValueError otherwise."""
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        local = os.environ.get("LOCAL_RANK", "0")
+        index = int(local) if local.isdigit() else 0
+        return torch.device("cuda", index % torch.cuda.device_count())
     try:
         dev = torch.device(spec)
     except (RuntimeError, ValueError):
