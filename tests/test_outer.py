@@ -260,3 +260,36 @@ def test_outer_with_low_bit_pseudo_gradients_trains_at_a_fraction_of_the_bytes(c
     assert packed["rule"] == "choco"
     assert full["bytes_sent"] / packed["bytes_sent"] > ratio
     assert packed["final_loss"] < full["final_loss"] + 0.08
+
+
+def test_the_node_sets_the_inner_rules_attributes_through_the_wrapper():
+    from gossip.mixing import PushSumRule
+
+    rule = OuterRule(PushSumRule(), OuterSpec("nesterov", 0.7, 0.9))
+    rule.weight = 0.25  # a joiner resets its push-sum mass (gossip.peer)
+    rule.overlap = True
+    rule.sends_live = True
+    assert (rule.inner.weight, rule.inner.overlap, rule.inner.sends_live) == (0.25, True, True)
+    assert rule.weight == 0.25 and rule.synchronous and rule.name == "push-sum"
+    assert "weight" not in vars(rule)
+
+
+def test_gossip_node_flags_and_toml_refuse_bad_outer_pairings(tmp_path, capsys):
+    from gossip.cli import node_main
+    from tests.cluster import free_port
+
+    listen = ["--listen", f"tcp://127.0.0.1:{free_port()}"]
+    assert node_main([*listen, "--outer", "nesterov:lr=-1"]) == 2
+    assert "--outer: nesterov lr=-1 is out of range" in capsys.readouterr().err
+    toml = tmp_path / "node.toml"
+    toml.write_text('topology = "star"\nalgorithm = "push-sum"\nouter = "nesterov"\n')
+    assert node_main([*listen, "--config", str(toml)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "push-sum needs a graph whose push-sum masses stay 1" in err and len(err.splitlines()) == 1
+    cfg_ok = tmp_path / "ok.toml"
+    cfg_ok.write_text('outer = "noloco:lr=0.5,momentum=0.3"\nlink-policy = ["inter:outer=nesterov:lr=0.7,momentum=0.9"]\n')
+    from gossip.cli import node_config_from_args
+
+    cfg, _ = node_config_from_args([*listen, "--config", str(cfg_ok)])
+    assert str(cfg.mixing.outer) == "noloco:lr=0.5,momentum=0.3"
+    assert str(cfg.mixing.for_link("inter").outer) == "nesterov:lr=0.7,momentum=0.9"

@@ -167,35 +167,20 @@ class OuterRule:
         self._sent: dict[int, torch.Tensor] = {}   # overlap: theta_i as sent, per round not mixed yet
         self.outer_steps = 0
 
-    # the node sets these on its rules; they belong to the inner rule
-    @property
-    def overlap(self) -> bool:
-        return self.inner.overlap
+    # what is not the outer optimizer's own is the inner rule's: the node reads and sets
+    # (overlap, sends_live, a push-sum weight) the rule's attributes through the wrapper
+    _OWN = frozenset({"inner", "spec", "anchor", "momentum", "_sent", "outer_steps"})
 
-    @overlap.setter
-    def overlap(self, value: bool) -> None:
-        self.inner.overlap = value
-
-    @property
-    def sends_live(self) -> bool:
-        return self.inner.sends_live
-
-    @sends_live.setter
-    def sends_live(self, value: bool) -> None:
-        self.inner.sends_live = value
-
-    @property
-    def synchronous(self) -> bool:
-        return self.inner.synchronous
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    def __getattr__(self, name: str) -> Any:  # ready, round_weights, decode, clipped, neighbor_models ...
+    def __getattr__(self, name: str) -> Any:  # synchronous, ready, round_weights, clipped, neighbor_models ...
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in OuterRule._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
 
     def on_adopt(self, x: torch.Tensor) -> None:
         """The node's parameters were replaced (start, a neighbour's state): they are the anchor now."""

@@ -283,8 +283,6 @@ def build_rules(settings: MixingSettings, topology: Any = None, *,
         s = settings.for_link(link)
         try:
             per_class[link] = (one(s), s.period)
-        except OptionError:
-            raise
-        except ValueError as e:
+        except ValueError as e:  # a pairing only this class has (CHOCO on a time-varying graph, ...)
             raise OptionError("link_policy", f"link_policy {link}: {e}") from None
     return per_class[LINK_CLASSES[0]][0], per_class
