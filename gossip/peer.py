@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import queue
 import threading
 import time
@@ -46,7 +45,7 @@ from gossip.membership import Membership, parse_address, topology_for
 from gossip.message import Message
 from gossip.mixing.settings import MixingSettings, build_rules, with_mixing_options
 from gossip.mixing.base import all_finite, decode_payload
-from gossip.node import Compute, Node, NodeConfig, Release, Send, Wait, init_model
+from gossip.node import Compute, Node, NodeConfig, Release, Send, Wait, init_model, resolve_device
 from gossip.security import load_curve
 from gossip.state import FlatState, fingerprint_of
 from gossip.tasks import get_task
@@ -62,29 +61,6 @@ LATE_ROUNDS = 3  # synchronous rounds timed out in a row before the node looks f
 
 class PeerError(RuntimeError):
     """The node cannot take part (e.g. every peer runs a different model)."""
-
-
-def resolve_device(spec: str) -> torch.device:
-    """``auto`` (CUDA when available: ``cuda:LOCAL_RANK`` under torchrun, else
-    ``cuda:0``; otherwise CPU), ``cpu``, ``cuda`` or ``cuda:N``; ValueError otherwise."""
-    if spec == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        local = os.environ.get("LOCAL_RANK", "0")
-        index = int(local) if local.isdigit() else 0
-        return torch.device("cuda", index % torch.cuda.device_count())
-    try:
-        dev = torch.device(spec)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"unknown device {spec!r}; valid: auto, cpu, cuda, cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {spec!r} requested but CUDA is not available")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise ValueError(f"unsupported device {spec!r}; valid: auto, cpu, cuda, cuda:N")
-    return dev
 
 
 UNSHAPED = LinkModel(latency=0.0, bandwidth=math.inf)
