@@ -6,7 +6,9 @@ steps. Three runs of the same cluster:
 
 1. calibration: the fault-free cluster trains for a few seconds; its rate
    (steps per second, read from the checkpoints) sets the run length, so that
-   training lasts the churn window whatever the machine's speed;
+   training lasts the churn window whatever the machine's speed, and the time
+   its processes took to start training spaces the kills at least 2.5 times
+   that apart (on a slow machine every node could otherwise be down at once);
 2. clean: the fault-free cluster trains that many steps;
 3. churn: the same, and every ``every`` seconds one node drawn at random (seeded)
    gets SIGKILL and starts again ``down`` seconds later with the same flags and
@@ -62,14 +64,17 @@ def _cluster_step(ck: Path, n: int) -> int:
     return max(_checkpoint_step(ck / f"n{i}") for i in range(n))
 
 
-def calibrate(work: Path, n: int, extra: list[str], window: float = 8.0) -> float:
-    """Steps per second of the fault-free cluster, measured over ``window`` seconds of training."""
+def calibrate(work: Path, n: int, extra: list[str], window: float = 8.0) -> tuple[float, float]:
+    """Steps per second of the fault-free cluster, measured over ``window`` seconds of
+    training, and the seconds from starting the processes until all of them train."""
     ports = [free_port() for _ in range(n)]
     ck = work / "calibrate"
     with Cluster(work) as c:
+        spawned = time.monotonic()
         nodes = [c.start(f"cal{i}", _args(ports, i, 10**9, ck, extra), port=ports[i]) for i in range(n)]
         for x in nodes:
             x.wait_for_log("training as", 180)
+        startup = time.monotonic() - spawned
         deadline = time.monotonic() + 120
         while _cluster_step(ck, n) == 0 and time.monotonic() < deadline:  # the first checkpoint
             time.sleep(0.1)
@@ -81,7 +86,7 @@ def calibrate(work: Path, n: int, extra: list[str], window: float = 8.0) -> floa
         c.wait_all(120)
     if s1 <= s0:
         raise RuntimeError(f"the fault-free cluster did not advance in {window} s (step {s0})")
-    return (s1 - s0) / (t1 - t0)
+    return (s1 - s0) / (t1 - t0), startup
 
 
 def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts: int = 0, every: float = 15.0,
@@ -140,9 +145,13 @@ def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, do
     ``steps`` skips the calibration; without ``clean_run`` only the churn run is made
     (a diagnosis: goodput and the accuracy change are then None)."""
     extra = list(extra or [])
-    rate = None
+    rate = startup = None
     if steps is None:
-        rate = calibrate(work, n, extra)
+        rate, startup = calibrate(work, n, extra)
+        # the churn is measured against the time a node needs to come back: on a slow
+        # machine kills are spaced so that a restarted node can train before the next
+        # (otherwise every node could be down at once, whatever the protocol does)
+        every = max(every, 2.5 * startup)
         steps = int(rate * (restarts * every + tail)) // 200 * 200 + 200
     clean = run(work, "clean", n, steps, extra) if clean_run else None
     faulty = run(work, "churn", n, steps, extra, restarts=restarts, every=every, down=down, seed=seed)
@@ -152,7 +161,8 @@ def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, do
     acc = [s.get("final_accuracy") for s in faulty["summaries"]]
     last = faulty["summaries"]
     return {
-        "nodes": n, "steps": steps, "calibrated_steps_per_s": rate, "restarts": len(faulty["kills"]),
+        "nodes": n, "steps": steps, "calibrated_steps_per_s": rate, "startup_s": startup,
+        "restarts": len(faulty["kills"]),
         "every_s": every, "down_s": down, "seed": seed,
         "goodput": clean["elapsed_s"] / faulty["elapsed_s"],
         "clean_s": clean["elapsed_s"], "churn_s": faulty["elapsed_s"],

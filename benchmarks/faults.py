@@ -29,9 +29,15 @@
 3. byzantine (simulator). 8 nodes on a ring, digits; node 3 sends its
    parameters x1000. Mean accuracy of the honest nodes without and with
    clipped gossip (``clip="auto"``), and the cost of clipping on a clean run.
+4. churn (real processes, with ``--churn``; see ``benchmarks/churn.py``). 5
+   nodes on a ring; one drawn at random gets SIGKILL every ``--churn-every``
+   seconds (15) and starts again 2 s later with ``--resume``,
+   ``--churn-restarts`` times (40: ten minutes). Reported: goodput (a clean
+   run's time over the churn run's, same steps), the slowest stretch between
+   two steps, how every last life started, and the accuracy change.
 
     python benchmarks/faults.py [--steps 1500] [--dead-after 2] [--seeds 3] [--cut 20-30] [--heal-attempts 3]
-                                [--skip-real]
+                                [--skip-real] [--churn [--churn-restarts 40] [--churn-every 15]]
 
 Ends with one JSON line.
 """
@@ -264,6 +270,9 @@ def main() -> int:
                     help="heal: runs to try before giving up when a node is not yet training at its cut; the "
                          "JSON line says how many it took")
     ap.add_argument("--skip-real", action="store_true", help="only the simulator measurements")
+    ap.add_argument("--churn", action="store_true", help="also the churn scenario (about twice the churn window)")
+    ap.add_argument("--churn-restarts", type=int, default=40)
+    ap.add_argument("--churn-every", type=float, default=15.0, help="seconds between two kills")
     args = ap.parse_args()
     try:
         cut = tuple(float(x) for x in args.cut.split("-"))
@@ -303,6 +312,15 @@ def main() -> int:
             print(f"heal: west joined east {', '.join(f'{t:.1f}' for t in h['merged_after_cut_s'])} s after the "
                   f"cut ended; new lives {h['rejoins']}, members at the end {h['members_at_end']}, neighbour "
                   f"distances {max(h['neighbor_distance']):.4f} at most (attempt {attempt})")
+    if args.churn and not args.skip_real:
+        from benchmarks.churn import churn
+
+        with tempfile.TemporaryDirectory() as tmp:
+            r = churn(Path(tmp), restarts=args.churn_restarts, every=args.churn_every)
+        result["churn"] = {k: v for k, v in r.items() if k != "kills"}
+        print(f"churn: {r['restarts']} restarts, one every {r['every_s']:g} s: goodput {r['goodput']:.3f}; slowest "
+              f"stretch between two steps {r['max_step_gap_s']:.2f} s; steps at the end {r['steps_at_end']}; "
+              f"accuracy change {r['accuracy_change_pts']:.2f} pts")
     result["byzantine"] = b = byzantine(args.seeds)
     print(f"byzantine x1000: honest accuracy clean {b['mean_clean']:.4f}, attacked {b['mean_attack']:.4f}, "
           f"attacked+clip {b['mean_attack_clip']:.4f}, clean+clip {b['mean_clean_clip']:.4f}")

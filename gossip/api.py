@@ -23,7 +23,7 @@ from gossip.faults import parse_faults
 from gossip.mixing.adversary import parse_byzantine
 from gossip.membership import topology_for
 from gossip.mixing.settings import MixingSettings, build_rules, with_mixing_options
-from gossip.node import Node, NodeConfig, init_model
+from gossip.node import Node, NodeConfig, init_model, resolve_device
 from gossip.progress import ProgressBar
 from gossip.simulator import Simulator, parse_compute, parse_slow
 from gossip.state import FlatState
@@ -89,6 +89,7 @@ class SimConfig:
         # the mixing settings were checked when they were made (a bad codec, gamma,
         # staleness or pairing fails there, not at the first round)
         parse_byzantine(self.byzantine, self.nodes)
+        object.__setattr__(self, "device", str(resolve_device(str(self.device))))  # "auto" -> cpu or cuda:N
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -9,6 +9,7 @@ Files are loaded with ``weights_only=True``: tensors and plain containers only.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -17,7 +18,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path", "checkpoint_step"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path", "checkpoint_step",
+           "save_members", "load_members"]
+
+MEMBERS = "members.json"  # the member ids a node last trained with, beside its checkpoints
 
 _NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
 
@@ -83,3 +87,25 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict) or "flat" not in state or "step" not in state:
         raise ValueError(f"checkpoint {path} is not a gossip node checkpoint")
     return state
+
+
+def save_members(directory: str | Path, ids: list[str]) -> None:
+    """Record the member ids a node trains with (atomically), so that the process,
+    restarted with ``--resume``, can say hello to them and not to its seeds alone."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".members-", suffix=".tmp", dir=directory)
+    with os.fdopen(fd, "w") as f:
+        json.dump(sorted(ids), f)
+    os.replace(tmp, directory / MEMBERS)
+
+
+def load_members(directory: str | Path) -> list[str]:
+    """The ids :func:`save_members` recorded ([] if none, or the file is damaged)."""
+    try:
+        ids = json.loads((Path(directory) / MEMBERS).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(ids, list):
+        return []
+    return [i for i in ids if isinstance(i, str) and 0 < len(i) <= 256][:4096]

@@ -138,7 +138,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="X", help="run seed (default: 0)")
     p.add_argument("--timeout", type=_positive_float("--timeout"), default=30.0, metavar="SEC",
                    help="how long a synchronous round waits for a neighbour (default: 30)")
-    p.add_argument("--device", default="cpu", metavar="DEV", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--device", default="auto", metavar="DEV",
+                   help="auto, cpu, cuda or cuda:N (default: auto = cuda:LOCAL_RANK when CUDA is present, else cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON line with the final figures")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
 

@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-__all__ = ["Member", "Membership", "cluster_after", "stronger", "parse_address", "endpoint", "node_file_name",
-           "topology_for"]
+__all__ = ["Member", "Membership", "cluster_after", "stronger", "out_of_step", "parse_address", "endpoint",
+           "node_file_name", "topology_for"]
 
 log = logging.getLogger("gossip.membership")
 
@@ -83,6 +83,23 @@ def stronger(a: set[str], b: set[str]) -> bool:
         return len(a) > len(b)
     differ = a ^ b
     return bool(differ) and min(differ) in a
+
+
+def out_of_step(my_round: int, awaited: dict[str, tuple[str, int]], margin: int) -> tuple[list[str], str | None]:
+    """Which live neighbours a node that keeps timing out waits for in vain because
+    their rounds are far from its own: ``awaited`` maps each to (status, round) as
+    its pings report them. Returns the training ones more than ``margin`` rounds
+    behind (they train in a world of their own: drop them) and the first one more
+    than ``margin`` ahead (then this node is the one out of step), if any.
+
+    >>> out_of_step(5000, {"a": ("training", 1200), "b": ("training", 4999), "c": ("waiting", 0)}, 25)
+    (['a'], None)
+    >>> out_of_step(1200, {"a": ("training", 1201), "b": ("training", 5000)}, 25)
+    ([], 'b')
+    """
+    behind = [j for j, (st, r) in sorted(awaited.items()) if st == "training" and r < my_round - margin]
+    ahead = [j for j, (st, r) in sorted(awaited.items()) if st == "training" and r > my_round + margin]
+    return behind, (ahead[0] if ahead else None)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import Counter, OrderedDict
 import weakref
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from gossip.mixing import Inbox, MixingRule, MixReport
 from gossip.mixing.base import all_finite, decode_payload
 from gossip.state import FlatState
 
-__all__ = ["Node", "NodeConfig", "Compute", "Send", "Wait", "Release", "Action"]
+__all__ = ["Node", "NodeConfig", "Compute", "Send", "Wait", "Release", "Action", "init_model", "resolve_device"]
 
 log = logging.getLogger("gossip.node")
 
@@ -167,6 +168,29 @@ def _member_table(members: Sequence[Any]) -> tuple[list[Any], dict[Any, int]]:
     else:
         _member_tables.move_to_end(key)
     return table
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` (CUDA when available: ``cuda:LOCAL_RANK`` under torchrun, else
+    ``cuda:0``; otherwise CPU), ``cpu``, ``cuda`` or ``cuda:N``; ValueError otherwise."""
+    if spec == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        local = os.environ.get("LOCAL_RANK", "0")
+        index = int(local) if local.isdigit() else 0
+        return torch.device("cuda", index % torch.cuda.device_count())
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"unknown device {spec!r}; valid: auto, cpu, cuda, cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"unsupported device {spec!r}; valid: auto, cpu, cuda, cuda:N")
+    return dev
 
 
 def init_model(task: Any, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:

@@ -38,14 +38,14 @@ from typing import Any
 import torch
 
 from gossip import wire
-from gossip.checkpoint import checkpoint_step, latest_checkpoint, load_checkpoint, save_checkpoint
+from gossip.checkpoint import checkpoint_step, latest_checkpoint, load_checkpoint, load_members, save_checkpoint, save_members
 from gossip.compression import get_codec
 from gossip.control import ControlPlane
-from gossip.membership import Membership, parse_address, topology_for
+from gossip.membership import Membership, out_of_step, parse_address, topology_for
 from gossip.message import Message
 from gossip.mixing.settings import MixingSettings, build_rules, with_mixing_options
 from gossip.mixing.base import all_finite, decode_payload
-from gossip.node import Compute, Node, NodeConfig, Release, Send, Wait, init_model
+from gossip.node import Compute, Node, NodeConfig, Release, Send, Wait, init_model, resolve_device
 from gossip.security import load_curve
 from gossip.state import FlatState, fingerprint_of
 from gossip.tasks import get_task
@@ -61,24 +61,6 @@ LATE_ROUNDS = 3  # synchronous rounds timed out in a row before the node looks f
 
 class PeerError(RuntimeError):
     """The node cannot take part (e.g. every peer runs a different model)."""
-
-
-def resolve_device(spec: str) -> torch.device:
-    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``; ValueError otherwise."""
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(spec)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"unknown device {spec!r}; valid: auto, cpu, cuda, cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {spec!r} requested but CUDA is not available")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise ValueError(f"unsupported device {spec!r}; valid: auto, cpu, cuda, cuda:N")
-    return dev
 
 
 UNSHAPED = LinkModel(latency=0.0, bandwidth=math.inf)
@@ -384,11 +366,21 @@ class Peer:
         cfg, start = self.cfg, self.clock()
         seeds = [parse_address(p) for p in cfg.peers]
         self.control.hello_all([s for s in seeds if s != self.id])
+        # a restarted process also asks the members it last trained with: its seeds may be
+        # restarting too while the cluster trains on elsewhere (they hold no start back)
+        former = [m for m in load_members(cfg.checkpoint_dir) if m != self.id and m not in seeds
+                  and _is_address(m)] if cfg.resume and cfg.checkpoint_dir else []
         warned = False
-        last_note = asked = start
+        last_note = asked = last_former = start
+        self.control.hello_all(former)
         while not self.stop.is_set():
             self._service(0.05)
             now = self.clock()
+            if former and now - last_former >= max(1.0, 2 * cfg.heartbeat) and now - start < cfg.join_timeout:
+                last_former = now
+                with self.lock:
+                    unheard = [m for m in former if m not in self.membership.members]
+                self.control.hello_all(unheard)
             with self.lock:
                 others = self.membership.others()
                 running = [m for m in others if self.membership.members[m].status in ("training", "done")]
@@ -678,6 +670,7 @@ class Peer:
                 self._log_metrics("eval")
             if self.cfg.checkpoint_dir and self.cfg.checkpoint_every and node.step % self.cfg.checkpoint_every == 0:
                 save_checkpoint(node.state_dict(), self.cfg.checkpoint_dir, node.step)
+                save_members(self.cfg.checkpoint_dir, [m for m in node.members if m != self.id])
             if self.stop.is_set():
                 log.warning("%s: stopping at step %d on request", self.id, node.step)
                 return False
@@ -689,6 +682,7 @@ class Peer:
         self.trained_steps += node.step - first_step
         if self.cfg.checkpoint_dir and self._excluded is None:  # not the state of a life the cluster dropped
             save_checkpoint(node.state_dict(), self.cfg.checkpoint_dir, node.step)
+            save_members(self.cfg.checkpoint_dir, [m for m in node.members if m != self.id])
 
     def step(self) -> None:
         """For a training loop of your own: call once after each ``optimizer.step()``.
@@ -795,17 +789,16 @@ class Peer:
                         "round %d", self.id, self._late, ", ".join(awaited) or "nobody",
                         ", ".join(f"{j} {st} at round {r}" for j, (st, r) in sorted(alive.items())) or "none",
                         node.round)
-        for j, (status, rnd) in sorted(alive.items()):
-            if status != "training":
-                continue
-            if rnd < node.round - margin:
-                self.control.drop(j, f"out of step: it trains in round {rnd}, this cluster in round {node.round}")
-            elif rnd > node.round + margin and self._excluded is None:
-                log.warning("%s: %s trains in round %d, far ahead of this node's round %d: this node is out of "
-                            "step with its cluster; joining again as a new life", self.id, j, rnd, node.round)
-                self._excluded, self._rejoin_via, self._merging = rnd, j, False
-                self._rejoin_cluster = set(cluster) - {self.id}
-                return
+        behind, ahead = out_of_step(node.round, alive, margin)
+        for j in behind:
+            self.control.drop(j, f"out of step: it trains in round {alive[j][1]}, this cluster in round "
+                                 f"{node.round}")
+        if ahead is not None and self._excluded is None:
+            log.warning("%s: %s trains in round %d, far ahead of this node's round %d: this node is out of step "
+                        "with its cluster; joining again as a new life", self.id, ahead, alive[ahead][1], node.round)
+            self._excluded, self._rejoin_via, self._merging = alive[ahead][1], ahead, False
+            self._rejoin_cluster = set(cluster) - {self.id}
+            return
         self.control.hello_all(sorted(alive))  # their member lists, in case ours and theirs differ
 
     def _service(self, block: float) -> None:
@@ -955,6 +948,13 @@ class Peer:
         if self._metrics is not None and node is not None:
             self._metrics.write(json.dumps({"event": "summary", **out}, default=_jsonable) + "\n")
         return out
+
+
+def _is_address(text: str) -> bool:
+    try:
+        return parse_address(text) == text
+    except ValueError:
+        return False
 
 
 def _jsonable(o: Any) -> Any:

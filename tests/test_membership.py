@@ -541,3 +541,23 @@ def test_a_cluster_whose_starters_all_restarted_still_schedules_joins():
     pc = Plane(c)
     pc.receive("members", a, status="training", rnd=100, **_lists(pa))
     assert pc.m.started and pc.m.joins[c] == join and pc.m.at_round(join) == [a, b, c]
+
+
+def test_the_docstring_examples_of_membership_hold():
+    import doctest
+
+    import gossip.membership
+
+    result = doctest.testmod(gossip.membership)
+    assert result.attempted >= 8 and result.failed == 0
+
+
+def test_a_neighbour_far_behind_is_out_of_step_and_one_far_ahead_means_this_node_is():
+    """The wedge under churn: four nodes near round 122,700 waited every round for a
+    live member that trained at round 47,937 from a stale checkpoint."""
+    from gossip.membership import out_of_step
+
+    awaited = {"a": ("training", 47_937), "b": ("training", 122_699), "c": ("waiting", 0), "d": ("done", 10)}
+    assert out_of_step(122_700, awaited, 25) == (["a"], None)
+    assert out_of_step(47_937, {"b": ("training", 122_700)}, 25) == ([], "b")
+    assert out_of_step(1000, {"b": ("training", 1020), "e": ("training", 980)}, 25) == ([], None)  # near: wait

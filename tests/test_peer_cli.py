@@ -224,3 +224,21 @@ def test_clip_reaches_the_mixing_rule():
         assert peer.node.rule.clip == 0.5
     finally:
         peer.close()
+
+
+def test_device_defaults_to_auto_and_auto_takes_local_rank(monkeypatch):
+    """The README promises ``--device auto`` by default; the CLI said cpu. ``auto`` is
+    cuda:LOCAL_RANK under torchrun when CUDA is present, the CPU otherwise."""
+    from gossip.cli import node_config_from_args
+    from gossip.peer import resolve_device
+
+    cfg, _ = node_config_from_args(["--listen", f"127.0.0.1:{free_port()}"])
+    assert cfg.device == "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert resolve_device("auto") == torch.device("cuda", 2)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert resolve_device("auto") == torch.device("cuda", 0)
