@@ -5,8 +5,11 @@ Start one copy per node, each naming another as its peer:
     python examples/own_training_loop.py --listen 127.0.0.1:5555 --peers 127.0.0.1:5556 &
     python examples/own_training_loop.py --listen 127.0.0.1:5556 --peers 127.0.0.1:5555
 
-The loop below is an ordinary PyTorch loop; the three lines marked "gossip"
-are all it takes to make it decentralized.
+The loop below is an ordinary PyTorch loop; the lines marked "gossip" are all
+it takes to make it decentralized: ``optimizer.step()`` itself counts the steps
+and exchanges every ``period`` of them. (With a ``DataLoader``, give it
+``sampler=node.sampler(dataset)`` and loop ``for epoch in node.epochs(n, loader)``;
+see the README.)
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ def main() -> None:
     torch.set_num_threads(1)
 
     data = SyntheticTask()                       # any data of yours
-    torch.manual_seed(0)                         # every node starts from the same weights
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
@@ -43,10 +45,12 @@ def main() -> None:
         idx = torch.randint(len(y), (32,), generator=g)
         opt.zero_grad()
         F.cross_entropy(model(X[idx]), y[idx]).backward()
-        opt.step()
-        node.step()                                                                     # gossip
+        opt.step()                               # counts the step; every period-th exchanges and mixes
+    ours = data.evaluate(model)
+    cluster_accuracy = node.average(ours["accuracy"])                                   # gossip
     summary = node.close()                                                              # gossip
-    print(json.dumps({"rank": node.rank, "world_size": node.world_size, **data.evaluate(model),
+    print(json.dumps({"rank": node.rank, "world_size": node.world_size, **ours,
+                      "cluster_accuracy": cluster_accuracy, "steps": summary["steps"],
                       "neighbor_distance": summary["neighbor_distance"], "bytes_sent": summary["bytes_sent"]}))
 
 
