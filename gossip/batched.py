@@ -82,6 +82,15 @@ def batch_support(task: Any, nodes: Sequence[Any], measured: bool = False) -> st
     name = getattr(task, "name", type(task).__name__)
     if not getattr(task, "batchable", False):
         return f"task {name!r} does not declare batchable = True"
+    # the batched engine draws batches by index and computes the loss functionally:
+    # a subclass that changes how batches or losses are made must say it still batches
+    mro = type(task).__mro__
+    declared = next((i for i, c in enumerate(mro) if "batchable" in vars(c)), len(mro))
+    for method in ("stream", "loss"):
+        defined = next((i for i, c in enumerate(mro) if method in vars(c)), len(mro))
+        if defined < declared:
+            return (f"task {name!r} overrides {method}() without declaring batchable itself "
+                    f"({mro[declared].__name__} declared it)")
     if measured:
         return "the measured compute model times each node's own step"
     if not nodes:
@@ -90,6 +99,8 @@ def batch_support(task: Any, nodes: Sequence[Any], measured: bool = False) -> st
     for i, node in enumerate(nodes):
         if node.id != i or node.stream is None or node.optimizer is None:
             return "every node needs id i, a task stream and an optimizer"
+        if "next" in vars(node.stream):  # a stream whose batches someone replaced: only next() gives them
+            return f"node {i}'s stream has its own next(), which the batched engine would bypass"
         if node.fingerprint != first.fingerprint or node.device != first.device:
             return "the nodes' models differ"
     if any(not s.is_param for s in first.state.slots):

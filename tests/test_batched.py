@@ -162,6 +162,28 @@ def test_tasks_that_cannot_batch_are_refused_with_the_reason(task, needle):
         Simulation(SimConfig(nodes=2, task=task, steps=3, engine="batched"))
 
 
+class _OwnLoss(_Variant):
+    def loss(self, model, batch):  # changes the loss, inherits batchable from SyntheticTask
+        return super().loss(model, batch) * 2.0
+
+
+class _OwnLossDeclared(_OwnLoss):
+    batchable = True  # its author says the new loss still batches
+
+
+def test_a_subclass_that_changes_loss_or_batches_must_declare_batchable_itself():
+    """A task subclass that overrides loss() or stream(), or a stream whose next() was
+    replaced, runs per node unless it says it still batches: the batched engine draws
+    batches by index and computes the loss functionally, and would bypass them (the
+    NaN-guard test patched a stream's next() and the batched engine never saw it)."""
+    sim = Simulation(SimConfig(nodes=2, task=_OwnLoss(), steps=3))
+    assert sim.batched is None and "overrides loss() without declaring batchable" in sim.engine_note
+    assert Simulation(SimConfig(nodes=2, task=_OwnLossDeclared(), steps=3)).batched is not None
+    sim = Simulation(SimConfig(nodes=2, task=_Variant(), steps=3))
+    sim.nodes[1].stream.next = sim.nodes[1].stream.next
+    assert "its own next()" in batch_support(sim.task, sim.nodes)
+
+
 def test_engine_names_are_checked():
     assert parse_engine("batched") == "batched" and ENGINES == ("auto", "batched", "per-node")
     with pytest.raises(ValueError, match="unknown engine 'fast'; valid: auto, batched, per-node"):
