@@ -300,7 +300,7 @@ class Membership:
         # would never meet again. It learns the running members' leaves from them.
         if self.training:  # (after a join still pending: see announce_leave)
             self.announce_leave(mid, max(self.max_round() + self.leave_margin, self.joins.get(mid, -1) + 1),
-                                m.incarnation)
+                                m.incarnation, early=False)
         self.version += 1
         log.warning("member %s removed: %s", mid, reason)
         return True
@@ -440,7 +440,7 @@ class Membership:
         self.version += 1
         return True
 
-    def announce_leave(self, mid: str, round: int, incarnation: int | None = None) -> bool:
+    def announce_leave(self, mid: str, round: int, incarnation: int | None = None, *, early: bool = True) -> bool:
         """``mid`` no longer takes part from ``round`` on; the earliest announcement wins.
 
         ``incarnation`` names the life that leaves (default: the one recorded). A
@@ -448,7 +448,9 @@ class Membership:
         yet, it waits for that join. Without a life, a leave at or before the round
         a joiner is scheduled for is its previous life's (a member that saw the
         restart before it heard of the join): the join stands. A death verdict on a
-        joiner is announced after its join.
+        joiner is announced after its join. ``early`` False (this node's own death
+        verdict) keeps no leave for a life this node does not count: that is silence
+        from a node it only read of in a list, not a leave of a life that trained.
         """
         if mid == self.self_id:
             return False
@@ -456,7 +458,7 @@ class Membership:
         if relation == "stale":
             return False
         if relation == "newer" or (mid not in self.base and mid not in self.joins):
-            if incarnation is not None and (mid not in self.early_leaves or self.early_leaves[mid][0] < incarnation
+            if early and incarnation is not None and (mid not in self.early_leaves or self.early_leaves[mid][0] < incarnation
                                             or self.early_leaves[mid][1] > round):
                 if len(self.early_leaves) < 4096 or mid in self.early_leaves:
                     self.early_leaves[mid] = (incarnation, round)

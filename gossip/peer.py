@@ -441,6 +441,7 @@ class Peer:
         node_cfg = NodeConfig(cfg.steps, cfg.mixing.period, float(cfg.timeout), check_payloads=True,
                               overlap=cfg.mixing.overlap, live_sends=self.transport.holds_sends)
         self.rank, self.world_size = rank, world
+        self._late = 0  # timeouts of an earlier life say nothing about this one's neighbours
         self.node = Node(self.id, members, topology, self.task, rule, node_cfg, seed=cfg.seed,
                          split=cfg.split, rank=rank, world_size=world, device=self.device, model=self.user_model,
                          optimizer=self.user_optimizer, policies=policies)

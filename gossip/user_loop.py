@@ -367,8 +367,12 @@ class GossipNode:
         step, served = node.step, 0
         try:
             while not peer.stop.is_set() and peer._excluded is None:
+                # a member of this round's topology that has not said "done" still trains: right
+                # after a fresh start its last word may still be "waiting" (its first ping as a
+                # training node not here yet), and a node whose data ended at once served nobody
                 with peer.lock:
-                    busy = [k for k, m in peer.membership.members.items() if k != peer.id and m.status == "training"]
+                    busy = [k for k, m in peer.membership.members.items()
+                            if k != peer.id and k in node.members and m.status != "done"]
                 if not busy:
                     break
                 node.step += 1  # the virtual step that schedules the next round; restored below

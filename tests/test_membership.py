@@ -561,3 +561,25 @@ def test_a_neighbour_far_behind_is_out_of_step_and_one_far_ahead_means_this_node
     assert out_of_step(122_700, awaited, 25) == (["a"], None)
     assert out_of_step(47_937, {"b": ("training", 122_700)}, 25) == ([], "b")
     assert out_of_step(1000, {"b": ("training", 1020), "e": ("training", 980)}, 25) == ([], None)  # near: wait
+
+
+def test_silence_from_a_new_life_read_of_in_a_list_is_no_leave_for_its_join():
+    """After a partition heals, the larger side reads of a node's new life in a list,
+    does not hear it for dead_after, and declares it dead; then the new life says hello
+    and is scheduled a join. That verdict must not become a leave of the new life
+    (which trained nowhere yet): the joiner read its own leave and started a second
+    new life (found by the partition test)."""
+    a, b, x = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    pa = Plane(a, status="training", rnd=4400)
+    pa.m.heard(b, 1, 0.0, status="training", round=4400)
+    pa.m.heard(x, 1, 0.0, status="training", round=100)
+    pa.m.start([a, b, x])
+    pa.m.remove(x, "silent")  # the partition: x's old life leaves
+    pa.receive("members", b, status="training", rnd=4400, mids=[a, b, x], mincs=[1, 1, 2])  # x's new life, read of
+    assert pa.m.members[x].incarnation == 2
+    _keep_alive(pa, [b], 1.0, 3.5)  # x's new life is silent here for more than dead_after
+    assert x not in pa.m.members
+    pa.cp.now = 4.0
+    pa.receive("hello", x, inc=2, status="waiting")  # it says hello: a join
+    join = pa.m.joins[x]
+    assert x not in pa.m.leaves and pa.m.at_round(join) == [a, b, x]
