@@ -3,7 +3,6 @@ and the outer momentum handed to a joiner with the parameters."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import gossip
