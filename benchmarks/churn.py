@@ -111,6 +111,8 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
             victim = current[i]
             if victim.proc.poll() is not None:  # it finished: the run is ending
                 break
+            if _cluster_step(ck, n) >= 0.9 * steps:  # too late to come back: the others finish first
+                break
             at_step = _checkpoint_step(ck / f"n{i}")
             victim.proc.send_signal(signal.SIGKILL)
             code = victim.proc.wait(30)

@@ -450,8 +450,8 @@ class Peer:
             self._pull_state(start_round)
         if cfg.resume and not self.rejoins:  # a new life takes the cluster's state, not its own past
             self._resume()
-        if mode == "member" or (mode == "fresh" and cfg.resume):
-            self._align_start()
+        if cfg.resume and mode in ("fresh", "member"):
+            self._align_start(mode)
         self.status = "training"
         with self.lock:
             self.membership.training = True
@@ -574,16 +574,21 @@ class Peer:
         node.jump_to(start_round * cfg.period)
         log.warning("%s: no member sent its state; joining with a fresh model", self.id)
 
-    def _align_start(self) -> None:
-        """Start where the starters are: a cluster restarted as a whole (each member
-        from its own checkpoint, of different steps) at the furthest step any of
-        them reports, and a starter that is late at the step the others reached.
-        Synchronous rounds need every member in the same round."""
+    def _align_start(self, mode: str) -> None:
+        """With --resume, start where the starters are: a cluster restarted as a whole
+        (each member from its own checkpoint, of different steps) at the furthest step
+        any of them reported while waiting; a starter that noticed the start late at
+        the earliest step the others train at (they wait for it in their round).
+        Synchronous rounds need every member in the same round. (Without --resume
+        everyone starts at step 0 and a late starter's neighbours wait for it there.)"""
         node = self.node
         assert node is not None
         with self.lock:
-            steps = [m.step for k, m in self.membership.members.items() if k in node.members and k != self.id]
-        step = max([node.step, *steps])
+            steps = [m.step for k, m in self.membership.members.items() if k in node.members and k != self.id
+                     and (mode == "fresh" or m.status == "training")]
+        if not steps:
+            return
+        step = max([node.step, *steps]) if mode == "fresh" else min(steps)
         if step != node.step:
             log.info("%s: starting at step %d with the other starters (this node was at step %d)", self.id, step,
                      node.step)
