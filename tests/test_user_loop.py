@@ -244,8 +244,11 @@ def test_a_signal_ends_a_user_loop_with_a_checkpoint_and_a_goodbye(tmp_path, sig
     script = tmp_path / "loop.py"
     script.write_text(SIGTERMED)
     ck = tmp_path / "ck"
+    # a shell that starts the test run in the background hands its children SIGINT
+    # ignored, and GossipNode leaves an ignored signal alone: give the script the default
     p = subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{free_port()}", str(ck)], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert p.stdout.readline().strip() == "stepping", p.stderr.read()[-2000:]
         p.send_signal(sig)
