@@ -43,26 +43,21 @@ class ScriptProc:
         return self.out.read_text()
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            m = re.search(pattern, self.log())
-            if m:
-                return m
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"{self.name}: {pattern!r} not logged:\n{self.log()[-3000:]}")
+        return self._wait(self.log, pattern, timeout, "logged")
 
     def wait_for_stdout(self, pattern: str, timeout: float) -> re.Match:
+        return self._wait(self.stdout, pattern, timeout, "printed")
+
+    def _wait(self, read, pattern: str, timeout: float, what: str) -> re.Match:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            m = re.search(pattern, self.stdout())
+            m = re.search(pattern, read())
             if m:
                 return m
             if self.proc.poll() is not None:
                 break
             time.sleep(0.05)
-        raise AssertionError(f"{self.name}: {pattern!r} not printed:\n{self.log()[-3000:]}")
+        raise AssertionError(f"{self.name}: {pattern!r} not {what}:\n{self.log()[-3000:]}")
 
     def reap(self) -> None:
         if self.proc.poll() is None:
