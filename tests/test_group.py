@@ -1,0 +1,222 @@
+"""A node is a group of devices: DDP or FSDP inside, sharded gossip between groups.
+
+Real processes on loopback with gloo: each rank is started as torchrun starts it
+(its own process with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), on free ports, with
+hard time limits, every process reaped by its PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gossip.group import Decision, GroupError, GroupSizeError, check_group_sizes, group_env, rank_address, \
+    start_group
+from gossip.membership import topology_for
+from gossip.node import init_model
+from gossip.state import FlatState
+from gossip.tasks import get_task
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 90  # seconds a group run may take before it counts as hung
+STEPS, PERIOD, SEED = 7, 2, 3  # exchanges at steps 2, 4, 6; one local step after the last
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_base(k: int) -> int:
+    """A port P with P .. P+k-1 free (rank r of a group listens on P+r)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + k < 65536 and all(_free(base + i) for i in range(k)):
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+class Ranks:
+    """The processes of several groups; killed and reaped (by PID) on exit."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def group(self, k: int, group: str, groups: list[str], *args: str, torchrun: bool = True) -> None:
+        master = free_base(1)
+        for r in range(k):
+            env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+            for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                env.pop(var, None)
+            if torchrun:
+                env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(k), LOCAL_WORLD_SIZE=str(k),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master))
+            name = f"{group.rpartition(':')[2]}-{r}"
+            cmd = [sys.executable, "-m", "gossip.group_run", "--group", group, "--groups", ",".join(groups),
+                   "--seed", str(SEED), "--out", str(self.tmp), "--timeout", "30", "--connect-timeout", "60", *args]
+            self.procs.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(self.tmp / f"{name}.out", "w"),
+                                                      stderr=open(self.tmp / f"{name}.err", "w"))))
+
+    def wait(self) -> dict[str, int]:
+        codes = {}
+        for name, p in self.procs:
+            try:
+                codes[name] = p.wait(timeout=LIMIT)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"rank {name} still running after {LIMIT} s:\n{self.err(name)[-3000:]}")
+        return codes
+
+    def err(self, name: str) -> str:
+        return (self.tmp / f"{name}.err").read_text()
+
+    def __enter__(self) -> "Ranks":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait(timeout=10)
+
+
+def reference(groups: int, k: int, *, mix: bool = True) -> list[dict[str, torch.Tensor]]:
+    """``groups`` single-process nodes on the same schedule: node g trains on the union of
+    group g's batches (rank r's stream is shard g*k + r) and mixes with the ring's weights."""
+    task = get_task("synthetic")
+    models = [init_model(task, SEED, "cpu") for _ in range(groups)]
+    states = [FlatState(m) for m in models]
+    opts = [task.optimizer(m.parameters()) for m in models]
+    streams = [[task.stream(g * k + r, groups * k, "iid", SEED) for r in range(k)] for g in range(groups)]
+    topo = topology_for("ring", groups, seed=SEED)
+    rnd = 0
+    for step in range(1, STEPS + 1):
+        for g in range(groups):
+            parts = [s.next() for s in streams[g]]
+            batch = tuple(torch.cat(ts) for ts in zip(*parts))
+            opts[g].zero_grad(set_to_none=True)
+            task.loss(models[g], batch).backward()
+            opts[g].step()
+        if mix and step % PERIOD == 0:
+            old = [st.flat.clone() for st in states]
+            for g in range(groups):
+                w = topo.in_weights(g, rnd)
+                states[g].flat.copy_(sum(wj * old[j] for j, wj in w.items()))
+            rnd += 1
+    return [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+@pytest.mark.parametrize("intra", ["fsdp", "ddp"])
+def test_groups_match_single_nodes_on_the_union_of_their_batches(tmp_path: Path, intra: str) -> None:
+    k = 2
+    groups = [f"127.0.0.1:{free_base(k)}" for _ in range(2)]
+    with Ranks(tmp_path) as ranks:
+        for g in groups:
+            ranks.group(k, g, groups, "--intra", intra, "--steps", str(STEPS), "--period", str(PERIOD))
+        codes = ranks.wait()
+        assert all(c == 0 for c in codes.values()), {n: (c, ranks.err(n)[-2000:]) for n, c in codes.items() if c}
+    ref = reference(2, k)
+    alone = reference(2, k, mix=False)
+    order = sorted(groups)
+    for g, gid in enumerate(order):
+        port = gid.rpartition(":")[2]
+        got = torch.load(tmp_path / f"params-{port}.pt")
+        assert _max_diff(got, ref[g]) < 1e-5
+        assert _max_diff(got, alone[g]) > 1e-3  # the gossip mattered: without it the result is far off
+        summaries = [json.loads((tmp_path / f"rank-{port}-{r}.json").read_text()) for r in range(k)]
+        for s in summaries:
+            assert s["mixed"] == STEPS // PERIOD and s["missing"] == 0 and s["timed_out"] == 0
+            assert s["rejected"] == {} and s["dropped"] == {}
+            # what the transport saw: one shard per message, never the whole model
+            full_bytes = s["model_numel"] * 4
+            shard_bytes = s["shard_numel"] * 4
+            assert len(s["sent_sizes"]) == STEPS // PERIOD
+            assert all(shard_bytes <= n < shard_bytes + 2048 for n in s["sent_sizes"])
+            assert max(s["sent_sizes"]) < full_bytes * 0.6
+            partner = rank_address(order[1 - g], s["rank"])
+            assert list(s["bytes_sent"]) == [partner]  # rank r talks to rank r only
+            assert s["bytes_sent"][partner] >= sum(s["sent_sizes"])
+        assert sum(s["shard_numel"] for s in summaries) >= summaries[0]["model_numel"]  # the shards cover it
+        if intra == "fsdp":
+            assert all(s["resident_numel"] < s["model_numel"] * 0.6 for s in summaries)  # nobody holds it all
+    assert _max_diff(ref[0], ref[1]) > 1e-4  # the last local step made the groups differ: each is checked
+
+
+def test_groups_of_different_sizes_exit_2_naming_both_sizes(tmp_path: Path) -> None:
+    a, b = f"127.0.0.1:{free_base(2)}", f"127.0.0.1:{free_base(1)}"
+    with Ranks(tmp_path) as ranks:
+        ranks.group(2, a, [a, b], "--intra", "ddp", "--steps", "2")
+        ranks.group(1, b, [a, b], "--intra", "ddp", "--steps", "2")
+        codes = ranks.wait()
+        assert codes == {n: 2 for n in codes}, {n: ranks.err(n)[-2000:] for n in codes}
+        for name in codes:
+            err = ranks.err(name)
+            assert "group sizes differ" in err and f"group {a} has 2 ranks" in err and f"group {b} has 1 rank" in err
+
+
+def test_fsdp_without_torchrun_exits_2(tmp_path: Path) -> None:
+    a = f"127.0.0.1:{free_base(1)}"
+    with Ranks(tmp_path) as ranks:
+        ranks.group(1, a, [a], "--intra", "fsdp", torchrun=False)
+        codes = ranks.wait()
+        err = ranks.err(f"{a.rpartition(':')[2]}-0")
+        assert list(codes.values()) == [2], err
+        assert "intra 'fsdp'" in err and "torchrun" in err
+    with pytest.raises(GroupError, match="torchrun --nproc-per-node"):
+        start_group("fsdp", "cpu", environ={})
+
+
+def test_group_of_one_without_torchrun() -> None:
+    g = start_group("ddp", "auto", environ={})
+    assert (g.size, g.rank, g.pg) == (1, 0, None)
+    assert g.device == (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+    model, view = g.wrap(torch.nn.Linear(3, 2))
+    assert view.flat.numel() == view.total == 8 and view.is_bound()
+    with torch.no_grad():
+        view.flat.fill_(0.5)
+    assert float(model.weight.sum()) == pytest.approx(3.0)
+
+
+def test_environment_and_argument_errors_name_what_is_wrong() -> None:
+    base = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    env = group_env(base)
+    assert (env.rank, env.size, env.local_size, env.master_port, env.launched) == (0, 2, 2, 29500, True)
+    with pytest.raises(GroupError, match="LOCAL_RANK is not set"):
+        group_env({k: v for k, v in base.items() if k != "LOCAL_RANK"})
+    with pytest.raises(GroupError, match="RANK 2 is not below WORLD_SIZE 2"):
+        group_env(dict(base, RANK="2"))
+    with pytest.raises(GroupError, match="WORLD_SIZE must be an integer"):
+        group_env(dict(base, WORLD_SIZE="two"))
+    with pytest.raises(GroupError, match="intra must be one of ddp, fsdp"):
+        start_group("zero3", "cpu", environ={})
+    with pytest.raises(GroupSizeError, match="group a:1 has 4 ranks, group b:1 has 2 ranks"):
+        check_group_sizes({"b:1": 2, "a:1": 4, "c:1": 4})
+    check_group_sizes({"a:1": 3, "b:1": 3})
+    assert rank_address("h:65534", 1) == "h:65535"
+    with pytest.raises(ValueError, match="outside 1-65535"):
+        rank_address("h:65535", 1)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        rank_address("nohost", 0)
+    with pytest.raises(ValueError, match="verdict must be one of mix, skip, stop"):
+        Decision(0, ("a:1",), "maybe")
