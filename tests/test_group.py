@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,12 +20,13 @@ import torch
 
 from gossip.group import Decision, GroupError, GroupSizeError, check_group_sizes, group_env, rank_address, \
     start_group
+from gossip.group_run import main
 from gossip.membership import topology_for
 from gossip.node import init_model
 from gossip.state import FlatState
 from gossip.tasks import get_task
 
-ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LIMIT = 90  # seconds a group run may take before it counts as hung
 STEPS, PERIOD, SEED = 7, 2, 3  # exchanges at steps 2, 4, 6; one local step after the last
 
@@ -51,35 +51,70 @@ def free_base(k: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
+def _rank_main(env: dict[str, str], argv: list[str], out: str, err: str) -> None:
+    """One rank's process: torchrun's environment, then the driver (stdout and stderr to files)."""
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    for var in TORCHRUN_VARS:
+        os.environ.pop(var, None)
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    from gossip.group_run import main
+
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+_CTX = None
+
+
+def _context():
+    """Rank processes come from a fork server that has imported torch and the driver once:
+    each is a fresh process, without paying for the imports again."""
+    global _CTX
+    if _CTX is None:
+        import multiprocessing
+
+        _CTX = multiprocessing.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed.fsdp", "gossip.group_run", "tests.test_group"])
+    return _CTX
+
+
 class Ranks:
     """The processes of several groups; killed and reaped (by PID) on exit."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.procs: list[tuple[str, object]] = []
 
     def group(self, k: int, group: str, groups: list[str], *args: str, torchrun: bool = True) -> None:
         master = free_base(1)
         for r in range(k):
-            env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-            for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-                env.pop(var, None)
+            env = {}
             if torchrun:
-                env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(k), LOCAL_WORLD_SIZE=str(k),
+                env = dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(k), LOCAL_WORLD_SIZE=str(k),
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master))
             name = f"{group.rpartition(':')[2]}-{r}"
-            cmd = [sys.executable, "-m", "gossip.group_run", "--group", group, "--groups", ",".join(groups),
-                   "--seed", str(SEED), "--out", str(self.tmp), "--timeout", "30", "--connect-timeout", "60", *args]
-            self.procs.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(self.tmp / f"{name}.out", "w"),
-                                                      stderr=open(self.tmp / f"{name}.err", "w"))))
+            argv = ["--group", group, "--groups", ",".join(groups), "--seed", str(SEED), "--out", str(self.tmp),
+                    "--timeout", "30", "--connect-timeout", "60", *args]
+            p = _context().Process(target=_rank_main, args=(env, argv, str(self.tmp / f"{name}.out"),
+                                                            str(self.tmp / f"{name}.err")), daemon=True)
+            p.start()
+            self.procs.append((name, p))
 
     def wait(self) -> dict[str, int]:
         codes = {}
         for name, p in self.procs:
-            try:
-                codes[name] = p.wait(timeout=LIMIT)
-            except subprocess.TimeoutExpired:
+            p.join(timeout=LIMIT)
+            if p.exitcode is None:
                 raise AssertionError(f"rank {name} still running after {LIMIT} s:\n{self.err(name)[-3000:]}")
+            codes[name] = p.exitcode
         return codes
 
     def err(self, name: str) -> str:
@@ -90,9 +125,9 @@ class Ranks:
 
     def __exit__(self, *exc: object) -> None:
         for _, p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-            p.wait(timeout=10)
+            if p.exitcode is None and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout=10)
 
 
 def reference(groups: int, k: int, *, mix: bool = True) -> list[dict[str, torch.Tensor]]:
@@ -162,26 +197,28 @@ def test_groups_match_single_nodes_on_the_union_of_their_batches(tmp_path: Path,
     assert _max_diff(ref[0], ref[1]) > 1e-4  # the last local step made the groups differ: each is checked
 
 
-def test_groups_of_different_sizes_exit_2_naming_both_sizes(tmp_path: Path) -> None:
+def test_groups_of_different_sizes_exit_2_naming_both_sizes(tmp_path: Path, monkeypatch, capsys) -> None:
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
     a, b = f"127.0.0.1:{free_base(2)}", f"127.0.0.1:{free_base(1)}"
     with Ranks(tmp_path) as ranks:
         ranks.group(2, a, [a, b], "--intra", "ddp", "--steps", "2")
-        ranks.group(1, b, [a, b], "--intra", "ddp", "--steps", "2")
+        # group b is a group of one: this very process, without torchrun
+        code = main(["--group", b, "--groups", f"{a},{b}", "--steps", "2", "--connect-timeout", "60"])
         codes = ranks.wait()
         assert codes == {n: 2 for n in codes}, {n: ranks.err(n)[-2000:] for n in codes}
-        for name in codes:
-            err = ranks.err(name)
-            assert "group sizes differ" in err and f"group {a} has 2 ranks" in err and f"group {b} has 1 rank" in err
+        errors = [ranks.err(n) for n in codes] + [capsys.readouterr().err]
+    assert code == 2
+    for err in errors:
+        assert "group sizes differ" in err and f"group {a} has 2 ranks" in err and f"group {b} has 1 rank" in err
 
 
-def test_fsdp_without_torchrun_exits_2(tmp_path: Path) -> None:
-    a = f"127.0.0.1:{free_base(1)}"
-    with Ranks(tmp_path) as ranks:
-        ranks.group(1, a, [a], "--intra", "fsdp", torchrun=False)
-        codes = ranks.wait()
-        err = ranks.err(f"{a.rpartition(':')[2]}-0")
-        assert list(codes.values()) == [2], err
-        assert "intra 'fsdp'" in err and "torchrun" in err
+def test_fsdp_without_torchrun_exits_2(monkeypatch, capsys) -> None:
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert main(["--group", "127.0.0.1:9", "--groups", "127.0.0.1:9", "--intra", "fsdp"]) == 2
+    err = capsys.readouterr().err
+    assert "intra 'fsdp'" in err and "torchrun --nproc-per-node" in err
     with pytest.raises(GroupError, match="torchrun --nproc-per-node"):
         start_group("fsdp", "cpu", environ={})
 
@@ -194,7 +231,7 @@ def test_group_of_one_without_torchrun() -> None:
     assert view.flat.numel() == view.total == 8 and view.is_bound()
     with torch.no_grad():
         view.flat.fill_(0.5)
-    assert float(model.weight.sum()) == pytest.approx(3.0)
+    assert float(model.weight.detach().sum()) == pytest.approx(3.0)
 
 
 def test_environment_and_argument_errors_name_what_is_wrong() -> None:
