@@ -215,17 +215,21 @@ class Group:
         Every rank must pass the same model (same initial values): DDP broadcasts
         rank 0's anyway, FSDP shards what each rank holds. FSDP shards each direct
         child that has parameters, then the root (a parameter of the root itself
-        is sharded with the root's group).
+        is sharded with the root's group). A model ``fully_shard``-ed already (say,
+        built on the meta device, sharded, then ``to_empty``) is taken as it is:
+        no rank then ever holds the whole model.
         """
-        model = model.to(self.device)
         if self.intra == "fsdp":
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import FSDPModule, fully_shard
 
-            for child in model.children():
-                if any(True for _ in child.parameters()):
-                    fully_shard(child)
-            fully_shard(model)
+            if not isinstance(model, FSDPModule):
+                model = model.to(self.device)
+                for child in model.children():
+                    if any(True for _ in child.parameters()):
+                        fully_shard(child)
+                fully_shard(model)
             return model, FsdpShards(model, self)
+        model = model.to(self.device)
         state = FlatState(model)  # before DDP: it must see the parameters where they stay
         if self.pg is None:
             return model, ReplicaSlice(state, self)
