@@ -22,6 +22,11 @@ periods), the slower of the two nodes; the figures are medians over the
 rounds. Prints a table and one JSON line. On a machine
 without CUDA it says so and exits 0; ``--dry-run`` runs the same measurement
 on the CPU with a small model, to check the script itself.
+
+It also checks a group of one on the GPU (``group_check``): two groups, each
+started by ``torchrun --nproc-per-node 1 -m gossip.group_run`` with the default
+``--device auto``, FSDP inside, must train on ``cuda:0`` and mix every round
+(on the CPU in a dry run).
 """
 
 from __future__ import annotations
@@ -186,6 +191,41 @@ def measure(device: str, steps: int, warmup: int, repeat: int, hidden: int, time
                    "params": rs[0]["params"], "device": rs[0]["device"]} for name, rs in runs.items()}
 
 
+def group_check(timeout: float = 120.0, steps: int = 4, period: int = 2) -> dict:
+    """Two groups of one, each started by torchrun with the node program's default
+    ``--device auto`` (``cuda:LOCAL_RANK`` where CUDA is present), FSDP inside, gossiping
+    shard to shard; returns rank 0's summary of each (device, rounds mixed, bytes)."""
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    groups = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    with tempfile.TemporaryDirectory() as out:
+        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                                   "--master-port", str(free_port()), "-m", "gossip.group_run", "--group", g,
+                                   "--groups", ",".join(groups), "--intra", "fsdp", "--steps", str(steps),
+                                   "--period", str(period), "--out", out],
+                                  cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for g in groups]
+        try:
+            for p in procs:
+                _, err = p.communicate(timeout=timeout)
+                if p.returncode != 0:
+                    raise RuntimeError(f"gpu_check: a group of one failed (exit {p.returncode}):\n"
+                                       f"{err.decode()[-2000:]}")
+        finally:
+            for p in procs:  # only the launchers this check started
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=10)
+        ranks = [json.loads((Path(out) / f"rank-{g.rpartition(':')[2]}-0.json").read_text()) for g in groups]
+    for r in ranks:
+        if r["mixed"] != steps // period or r["missing"] or r["timed_out"]:
+            raise RuntimeError(f"gpu_check: group {r['group']} mixed {r['mixed']} of {steps // period} rounds "
+                               f"({r['missing']} missing, {r['timed_out']} timed out)")
+    return {"device": sorted({r["device"] for r in ranks}), "mixed": [r["mixed"] for r in ranks],
+            "bytes_sent": [sum(r["bytes_sent"].values()) for r in ranks], "shard_numel": ranks[0]["shard_numel"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=200, help="local steps of each run (default 200)")
@@ -229,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         if not (low <= sent < low + params * 4):
             raise RuntimeError(f"{key}: the two nodes sent {sent} bytes; {exchanges} exchanges of the model each "
                                f"is {low} bytes plus control messages")
+    group = group_check()
+    want = "cuda:0" if device == "cuda" else "cpu"
+    if group["device"] != [want]:
+        raise RuntimeError(f"a group of one with --device auto trained on {group['device']}, not {want}")
+    print(f"group of one under torchrun, --device auto: {want}, {sum(group['mixed'])} shard rounds mixed")
     off = r["off"]["step_ms"]
     print(f"median over {args.repeat} rounds of the mean step time, steps {args.warmup + 1}-{args.steps} of "
           f"{args.steps}, slower node of two:")
@@ -243,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                       "period4_over_off": round(r["period4"]["step_ms"] / off, 3),
                       "runs_ms": {k: [round(x, 3) for x in v["runs_ms"]] for k, v in r.items()},
                       "bytes_sent": {k: v["bytes_sent"] for k, v in r.items()},
-                      "neighbor_distance": r["gossip"]["neighbor_distance"]}))
+                      "neighbor_distance": r["gossip"]["neighbor_distance"], "group": group}))
     return 0
 
 
