@@ -200,7 +200,7 @@ def test_bad_outer_toml_exits_2(spec, needle, tmp_path, capsys):
     from tests.cluster import free_port
 
     toml = tmp_path / "node.toml"
-    toml.write_text(f'outer = "{spec}"\n')
+    toml.write_text(f'topology = "complete"\nouter = "{spec}"\n')
     assert node_main(["--listen", f"tcp://127.0.0.1:{free_port()}", "--config", str(toml)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("gossip-node: error: --outer") and needle in err and len(err.splitlines()) == 1
@@ -293,3 +293,254 @@ def test_gossip_node_flags_and_toml_refuse_bad_outer_pairings(tmp_path, capsys):
     cfg, _ = node_config_from_args([*listen, "--config", str(cfg_ok)])
     assert str(cfg.mixing.outer) == "noloco:lr=0.5,momentum=0.3"
     assert str(cfg.mixing.for_link("inter").outer) == "nesterov:lr=0.7,momentum=0.9"
+
+
+# -- exchange=pseudograd: compressed pseudo-gradients with error feedback (SparseLoCo) ----------
+
+PG = "nesterov:lr=0.7,momentum=0.9,exchange=pseudograd"
+
+
+def _capture(sim: Simulation) -> list:
+    """Every (receiver, message) the nodes of ``sim`` hand to the transport."""
+    sent: list = []
+    for node in sim.nodes:
+        def outgoing(ch, rnd, _orig=node.outgoing):
+            out = _orig(ch, rnd)
+            sent.extend(out)
+            return out
+        node.outgoing = outgoing
+    return sent
+
+
+def test_pseudograd_with_the_identity_codec_is_diloco():
+    """No compression: mixing the pseudo-gradients is DiLoCo, as the parameter path is."""
+    from gossip.mixing.pseudograd import PseudoGradientRule
+
+    cfg = dict(nodes=4, topology="complete", task="synthetic", steps=H * ROUNDS, period=H, seed=1)
+    sim = Simulation(outer=PG, **cfg)
+    assert isinstance(sim.nodes[0].rule, PseudoGradientRule)
+    r = sim.run().result()
+    ref = diloco_reference(4, None, lr=0.7, momentum=0.9, nesterov=True, seed=1)
+    params = gossip.simulate(outer="nesterov:lr=0.7,momentum=0.9", **cfg)
+    for got, want, other in zip(r.params, ref, params.params):
+        assert torch.allclose(got, want, atol=1e-5, rtol=0)
+        assert torch.allclose(got, other, atol=1e-5, rtol=0)
+    assert r.summary["bytes_sent"] == params.summary["bytes_sent"]  # one full vector per neighbour either way
+
+
+def test_pseudograd_error_feedback_sends_later_what_was_dropped():
+    """sum of what was sent + the residual = sum of the pseudo-gradients, round after round."""
+    from topologies import build
+
+    from gossip.mixing import Inbox
+    from gossip.mixing.pseudograd import PseudoGradientRule
+
+    topo = build("complete", 1)
+    rule = PseudoGradientRule("topk:0.1", OuterSpec("nesterov", 0.7, 0.9, "pseudograd"))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=gen)
+    rule.on_adopt(x)
+    sent_sum, delta_sum = torch.zeros(1000), torch.zeros(1000)
+    for r in range(8):
+        delta = torch.randn(1000, generator=gen)
+        x.copy_(rule.anchor - delta)               # H inner steps moved theta by -Delta
+        rule.outgoing(x, topo, 0, r)
+        sent = rule._own[r].clone()
+        assert int((sent != 0).sum()) == 100       # top-10%: what travelled
+        sent_sum += sent
+        delta_sum += delta
+        assert torch.allclose(sent_sum + rule.residual, delta_sum, atol=1e-4, rtol=0)
+        assert float(rule.residual.norm()) > 0.5 * float(delta.norm())  # most was held back, not lost
+        rule.mix(x, Inbox(), topo, 0, r, (r + 1) * 5)
+        assert torch.equal(x, rule.anchor)
+
+
+def test_pseudograd_bytes_are_counted_exactly():
+    from gossip.compression import get_codec
+    from gossip.wire import encode
+
+    n, rounds = 4, 6
+    sim = Simulation(nodes=n, topology="complete", task="synthetic", steps=H * rounds, period=H, seed=0,
+                     outer=PG, compression="topk:0.05")
+    sent = _capture(sim)
+    s = sim.run().result().summary
+    numel = sim.nodes[0].numel
+    payload = get_codec("topk:0.05").encode(torch.randn(numel)).nbytes
+    assert len(sent) == n * (n - 1) * rounds
+    assert all(m.data.nbytes == payload and m.data.numel == numel for _, m in sent)
+    assert s["bytes_sent"] == sum(sum(memoryview(f).nbytes for f in encode(m)) for _, m in sent)
+    full = gossip.simulate(nodes=n, topology="complete", task="synthetic", steps=H * rounds, period=H, seed=0,
+                           outer=PG).summary
+    assert full["bytes_sent"] > 8 * s["bytes_sent"]
+
+
+def test_topk_pseudo_gradients_under_nesterov_keep_the_replicas_identical_and_train():
+    """What diverged through CHOCO (top-k under Nesterov 0.7 / 0.9) trains through exchange=pseudograd."""
+    cfg = dict(nodes=8, topology="complete", task="synthetic", steps=100, period=5, seed=0,
+               outer="nesterov:lr=0.7,momentum=0.9")
+    start = gossip.simulate(**{**cfg, "steps": 0}).summary["final_loss"]
+    full = gossip.simulate(**cfg)
+    choco = gossip.simulate(**cfg, compression="topk:0.3")
+    sparse = gossip.simulate(**{**cfg, "outer": cfg["outer"] + ",exchange=pseudograd"}, compression="topk:0.3")
+    assert sparse.summary["rule"] == "pseudograd" and choco.summary["rule"] == "choco"
+    spread = lambda r: max(float((p - r.params[0]).abs().max()) for p in r.params)  # noqa: E731
+    assert spread(sparse) < 1e-5 < 1.0 < spread(choco)  # CHOCO's copies fall behind; here nothing drifts
+    assert sparse.summary["final_loss"] < min(0.5 * start, full.summary["final_loss"] + 0.12)
+    assert full.summary["bytes_sent"] / sparse.summary["bytes_sent"] > 1.4
+
+
+def test_pseudograd_checkpoint_restores_the_residual(tmp_path):
+    from gossip.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = dict(nodes=2, topology="complete", task="synthetic", steps=20, period=5, outer=PG, compression="topk:0.1")
+    sim = Simulation(seed=0, **cfg)
+    sim.run()
+    rule = sim.nodes[0].rule
+    assert rule.residual is not None and rule.outer_steps == 4
+    path = save_checkpoint(sim.nodes[0].state_dict(), tmp_path, sim.nodes[0].step)
+    other = Simulation(seed=5, **cfg).nodes[0]
+    other.load_state_dict(load_checkpoint(path))
+    for name in ("anchor", "momentum", "residual"):
+        assert torch.equal(getattr(other.rule, name), getattr(rule, name))
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"topology": "ring"}, "needs exact averaging"),
+    ({"topology": "one-peer-exponential"}, "needs exact averaging"),
+    ({"asynchronous": True}, "asynchronous mixing does not"),
+    ({"algorithm": "push-sum"}, "algorithm must be gossip"),
+    ({"gamma": 0.5}, "takes no gamma"),
+])
+def test_pseudograd_is_refused_where_it_is_not_exact(extra, needle):
+    with pytest.raises(ValueError) as e:
+        Simulation(**{"nodes": 4, "topology": "complete", "task": "synthetic", "steps": 2, "outer": PG, **extra})
+    text = str(e.value)
+    assert text.startswith("outer") and needle in text and "else exchange=params" in text and "\n" not in text
+
+
+def test_pseudograd_and_fragments_parse_the_same_everywhere(tmp_path, capsys):
+    from gossip.cli import node_config_from_args, sim_main
+    from tests.cluster import free_port
+
+    spec = "nesterov:lr=0.7,momentum=0.9,exchange=pseudograd,fragments=2"
+    want = OuterSpec("nesterov", 0.7, 0.9, "pseudograd", 2)
+    assert parse_outer(spec) == want and parse_outer(str(want)) == want
+    assert gossip.SimConfig(outer=spec).outer == want
+    s = MixingSettings(link_policy=f"inter:period=10,outer={spec}")
+    assert s.for_link("inter").outer == want and s.for_link("intra").outer == OuterSpec()
+    assert MixingSettings(link_policy=f"inter:{s.policies['inter']}") == s
+    toml = tmp_path / "node.toml"
+    toml.write_text(f'topology = "complete"\nouter = "{spec}"\n')
+    listen = ["--listen", f"tcp://127.0.0.1:{free_port()}"]
+    cfg, _ = node_config_from_args([*listen, "--config", str(toml)])
+    assert cfg.mixing.outer == want
+    for bad, needle in [("nesterov:exchange=grads", "exchange must be one of params, pseudograd"),
+                        ("nesterov:fragments=0", "fragments must be an integer >= 1"),
+                        ("nesterov:fragments=1.5", "fragments must be an integer")]:
+        assert sim_main(["--steps", "1", "--outer", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("gossip-sim: error: --outer") and needle in err and len(err.splitlines()) == 1
+    assert sim_main(["--steps", "1", "--topology", "ring", "--outer", "nesterov:exchange=pseudograd"]) == 2
+    assert "exchange=pseudograd needs exact averaging" in capsys.readouterr().err
+
+
+# -- fragments (Streaming DiLoCo) -----------------------------------------------------------------
+
+def streaming_reference(n: int, fragments: int, rounds: int, *, lr: float, momentum: float, seed: int,
+                        period: int = H) -> list[torch.Tensor]:
+    """Streaming DiLoCo by hand on a complete graph: round r averages the pseudo-gradient of
+    fragment r mod F only and steps that fragment's own torch SGD (Nesterov); the other
+    fragments go on training locally."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    from gossip.mixing.fragments import fragment_bounds
+
+    task = get_task("synthetic")
+    models = [init_model(task, seed) for _ in range(n)]
+    opts = [task.optimizer(m.parameters()) for m in models]
+    streams = [task.stream(i, n, "iid", seed, torch.device("cpu")) for i in range(n)]
+    start = parameters_to_vector(models[0].parameters()).detach()
+    bounds = fragment_bounds(start.numel(), fragments)
+    glob = [start[lo:hi].clone().requires_grad_(True) for lo, hi in bounds]
+    outer = [torch.optim.SGD([g], lr=lr, momentum=momentum, nesterov=True) for g in glob]
+    for r in range(rounds):
+        for m, opt, stream in zip(models, opts, streams):
+            for _ in range(period):
+                opt.zero_grad(set_to_none=True)
+                task.loss(m, stream.next()).backward()
+                opt.step()
+        f = r % fragments
+        lo, hi = bounds[f]
+        flats = [parameters_to_vector(m.parameters()).detach() for m in models]
+        glob[f].grad = torch.stack([glob[f].detach() - x[lo:hi] for x in flats]).mean(0)
+        outer[f].step()
+        with torch.no_grad():
+            for m, x in zip(models, flats):
+                x = x.clone()
+                x[lo:hi] = glob[f].detach()
+                vector_to_parameters(x, m.parameters())
+    return [parameters_to_vector(m.parameters()).detach() for m in models]
+
+
+@pytest.mark.parametrize("exchange", ["params", "pseudograd"])
+def test_each_fragment_follows_its_own_outer_optimizer_on_a_complete_graph(exchange):
+    rounds, F = 7, 3
+    r = gossip.simulate(nodes=4, topology="complete", task="synthetic", steps=H * rounds, period=H, seed=1,
+                        outer=f"nesterov:lr=0.7,momentum=0.9,exchange={exchange},fragments={F}")
+    ref = streaming_reference(4, F, rounds, lr=0.7, momentum=0.9, seed=1)
+    for got, want in zip(r.params, ref):
+        assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    whole = gossip.simulate(nodes=4, topology="complete", task="synthetic", steps=H * rounds, period=H, seed=1,
+                            outer="nesterov:lr=0.7,momentum=0.9")
+    assert (whole.params[0] - r.params[0]).abs().max() > 1e-2  # fragments made a difference
+
+
+@pytest.mark.parametrize("extra", [{}, {"overlap": True}, {"compression": "int8"}])
+def test_one_fragment_is_todays_outer_step_number_for_number(extra):
+    from gossip.mixing.fragments import FragmentRule
+
+    cfg = dict(nodes=4, topology="ring", task="synthetic", steps=30, period=5, seed=2, **extra)
+    spec = OuterSpec("nesterov", 0.4, 0.8)
+    today = gossip.simulate(outer=str(spec), **cfg)
+    sim = Simulation(outer=str(spec), **cfg)
+    for node in sim.nodes:
+        for ch in node.channels:
+            rule = ch.rule
+            ch.rule = FragmentRule(lambda rule=rule: rule, 1)
+            ch.rule.overlap = rule.overlap
+        node.rule = node.channels[0].rule
+    new = sim.run().result()
+    for a, b in zip(today.params, new.params):
+        assert torch.equal(a, b)
+    assert new.summary["bytes_sent"] == today.summary["bytes_sent"]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_rounds_bytes_are_its_fragments(overlap):
+    from gossip.mixing.fragments import fragment_bounds
+    from gossip.wire import encode
+
+    n, rounds, F = 4, 7, 3
+    sim = Simulation(nodes=n, topology="ring", task="synthetic", steps=H * rounds, period=H, seed=0,
+                     outer=f"nesterov:lr=0.4,momentum=0.8,fragments={F}", overlap=overlap)
+    sent = _capture(sim)
+    s = sim.run().result().summary
+    bounds = fragment_bounds(sim.nodes[0].numel, F)
+    assert len(sent) == n * 2 * rounds and len({hi - lo for lo, hi in bounds}) > 1  # sizes differ: checked per round
+    for _, m in sent:
+        lo, hi = bounds[m.round % F]
+        assert m.data.numel == hi - lo and m.data.nbytes == 4 * (hi - lo)
+    assert s["bytes_sent"] == sum(sum(memoryview(f).nbytes for f in encode(m)) for _, m in sent)
+    assert s["rejected"] == 0 and s["missing_neighbors"] == 0
+    whole = gossip.simulate(nodes=n, topology="ring", task="synthetic", steps=H * rounds, period=H, seed=0,
+                            outer="nesterov:lr=0.4,momentum=0.8", overlap=overlap).summary
+    assert s["bytes_sent"] < whole["bytes_sent"] / 2.5
+    start = gossip.simulate(nodes=n, topology="ring", task="synthetic", steps=0, seed=0).summary["final_loss"]
+    assert s["final_loss"] < 0.6 * start  # it trains, with or without overlap (each fragment: 2-3 outer steps)
+
+
+def test_fragments_are_refused_with_asynchronous_and_push_sum_rules():
+    for extra, needle in [({"asynchronous": True}, "fragments need synchronous rounds"),
+                          ({"algorithm": "push-sum"}, "cannot be used with push-sum")]:
+        with pytest.raises(ValueError, match=needle):
+            MixingSettings(outer="nesterov:fragments=2", **extra)

@@ -65,24 +65,45 @@ from typing import Any
 
 import torch
 
-__all__ = ["OuterSpec", "parse_outer", "OuterRule", "OUTER_KINDS", "check_outer_pairing"]
+__all__ = ["OuterSpec", "parse_outer", "OuterRule", "OUTER_KINDS", "EXCHANGES", "check_outer_pairing", "outer_step_"]
 
 #: kind: (default lr, default momentum)
 OUTER_KINDS = {"sgd": (1.0, 0.0), "nesterov": (0.7, 0.9), "noloco": (0.7, 0.5)}
-_FORMS = "sgd:lr=L[,momentum=M], nesterov:lr=L,momentum=M, noloco:lr=L,momentum=M (L in (0, 2], M in [0, 1))"
+#: what the outer step exchanges: the parameters (mixed by the rule, CHOCO for a lossy codec) or
+#: the compressed pseudo-gradients with error feedback (SparseLoCo; see gossip.mixing.pseudograd)
+EXCHANGES = ("params", "pseudograd")
+_FORMS = ("sgd:lr=L[,momentum=M], nesterov:lr=L,momentum=M, noloco:lr=L,momentum=M (L in (0, 2], M in [0, 1)), "
+          "each optionally with ,exchange=params|pseudograd and ,fragments=F (an integer >= 1)")
 
 
 @dataclass(frozen=True)
 class OuterSpec:
-    """An outer optimizer: ``kind`` (sgd, nesterov, noloco), learning rate, momentum."""
+    """An outer optimizer: ``kind`` (sgd, nesterov, noloco), learning rate, momentum.
+
+    exchange : ``params`` (the rule mixes the parameters) or ``pseudograd`` (compressed
+        pseudo-gradients with error feedback are mixed; :mod:`gossip.mixing.pseudograd`)
+    fragments : the exchange covers one of this many parameter fragments per round, in
+        turn (Streaming DiLoCo; :mod:`gossip.mixing.fragments`)
+    """
 
     kind: str = "sgd"
     lr: float = 1.0
     momentum: float = 0.0
+    exchange: str = "params"
+    fragments: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in OUTER_KINDS:
             raise ValueError(f"outer: unknown optimizer {self.kind!r}; valid: {_FORMS}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"outer: exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}; "
+                             f"valid: {_FORMS}")
+        f = self.fragments
+        if isinstance(f, float) and f.is_integer():
+            f = int(f)
+        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+            raise ValueError(f"outer: fragments must be an integer >= 1, got {self.fragments!r}; valid: {_FORMS}")
+        object.__setattr__(self, "fragments", f)
         for name, lo, hi, closed in (("lr", 0.0, 2.0, True), ("momentum", 0.0, 1.0, False)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -96,14 +117,20 @@ class OuterSpec:
     @property
     def is_identity(self) -> bool:
         """Plain gossip: ``phi <- theta~`` (sgd, lr 1, no momentum)."""
-        return self.lr == 1.0 and self.momentum == 0.0 and self.kind != "nesterov"
+        return (self.lr == 1.0 and self.momentum == 0.0 and self.kind != "nesterov"
+                and self.exchange == "params" and self.fragments == 1)
 
     @property
     def nesterov(self) -> bool:
         return self.kind == "nesterov"
 
     def __str__(self) -> str:
-        return f"{self.kind}:lr={self.lr:g},momentum={self.momentum:g}"
+        text = f"{self.kind}:lr={self.lr:g},momentum={self.momentum:g}"
+        if self.exchange != "params":
+            text += f",exchange={self.exchange}"
+        if self.fragments != 1:
+            text += f",fragments={self.fragments}"
+        return text
 
 
 def parse_outer(spec: Any) -> OuterSpec:
@@ -120,18 +147,37 @@ def parse_outer(spec: Any) -> OuterSpec:
     if kind not in OUTER_KINDS:
         raise ValueError(f"outer: unknown optimizer {kind!r} in {spec!r}; valid: {_FORMS}")
     lr, momentum = OUTER_KINDS[kind]
-    values = {"lr": lr, "momentum": momentum}
+    values: dict[str, Any] = {"lr": lr, "momentum": momentum, "exchange": "params", "fragments": 1}
     for item in filter(None, (i.strip() for i in rest.split(","))):
         key, eq, text = item.partition("=")
-        key = key.strip()
+        key, text = key.strip(), text.strip()
         if not eq or key not in values:
             raise ValueError(f"outer {spec!r}: bad option {item!r}; valid: {_FORMS}")
+        if key == "exchange":
+            values[key] = text.lower()
+            continue
         try:
-            values[key] = float(text)
+            values[key] = int(text) if key == "fragments" else float(text)
         except ValueError:
-            raise ValueError(f"outer {spec!r}: {key} must be a number, got {text.strip()!r}; "
+            kind_of = "an integer" if key == "fragments" else "a number"
+            raise ValueError(f"outer {spec!r}: {key} must be {kind_of}, got {text!r}; "
                              f"valid: {_FORMS}") from None
-    return OuterSpec(kind, values["lr"], values["momentum"])
+    return OuterSpec(kind, values["lr"], values["momentum"], values["exchange"], values["fragments"])
+
+
+def outer_step_(spec: OuterSpec, anchor: torch.Tensor, momentum: torch.Tensor | None,
+                g: torch.Tensor) -> torch.Tensor | None:
+    """In place: the outer optimizer's step on ``anchor`` (phi) for the pseudo-gradient ``g``
+    (consumed: it may be overwritten); returns the momentum buffer (b, created when needed)."""
+    if spec.momentum > 0.0:
+        if momentum is None:
+            momentum = torch.zeros_like(g)
+        b = momentum.mul_(spec.momentum).add_(g)
+        update = g.add_(b, alpha=spec.momentum) if spec.nesterov else b
+    else:
+        update = g
+    anchor.sub_(update, alpha=spec.lr)
+    return momentum
 
 
 def check_outer_pairing(spec: OuterSpec, algorithm: str, topology: Any = None) -> None:
@@ -217,14 +263,7 @@ class OuterRule:
             mixed = sent.add_(x).sub_(before)
             del before
         g = anchor - mixed  # the pseudo-gradient of the mixed parameters
-        if self.spec.momentum > 0.0:
-            if self.momentum is None:
-                self.momentum = torch.zeros_like(g)
-            b = self.momentum.mul_(self.spec.momentum).add_(g)
-            update = g.add_(b, alpha=self.spec.momentum) if self.spec.nesterov else b
-        else:
-            update = g
-        anchor.sub_(update, alpha=self.spec.lr)
+        self.momentum = outer_step_(self.spec, anchor, self.momentum, g)
         if sent is None:
             x.copy_(anchor)
         else:

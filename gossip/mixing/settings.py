@@ -27,7 +27,9 @@ from typing import Any, Callable, Mapping
 from gossip.compression import Codec, get_codec
 from gossip.mixing.base import MixingRule
 from gossip.mixing.choco import parse_gamma
+from gossip.mixing.fragments import FragmentRule, check_fragments
 from gossip.mixing.outer import OuterRule, OuterSpec, check_outer_pairing, parse_outer
+from gossip.mixing.pseudograd import PseudoGradientRule, check_pseudograd
 from gossip.mixing.policy import LINK_CLASSES, LinkPolicy, parse_link_policies
 from gossip.mixing.staleness import Staleness, parse_staleness
 
@@ -90,7 +92,10 @@ class MixingSettings:
     clip : robust mixing radius, ``"auto"``, or None (synchronous uncompressed gossip only)
     outer : outer optimizer over the mixing, an :class:`~gossip.mixing.outer.OuterSpec` or its
         spec: ``sgd:lr=1`` (the default: plain gossip), ``nesterov:lr=0.7,momentum=0.9``
-        (DiLoCo), ``noloco`` (see :mod:`gossip.mixing.outer`)
+        (DiLoCo), ``noloco`` (see :mod:`gossip.mixing.outer`); ``,exchange=pseudograd``
+        mixes compressed pseudo-gradients with error feedback instead of parameters
+        (:mod:`gossip.mixing.pseudograd`), ``,fragments=F`` exchanges one of F parameter
+        fragments per round (:mod:`gossip.mixing.fragments`)
     link_policy : per link class overrides, normalised to ``((class, LinkPolicy), ...)``;
         given as CLI strings (``"inter:period=20,codec=topk:0.01,async"``), a list of
         them, or a mapping ``{"inter": "period=20,..."}`` (see :mod:`gossip.mixing.policy`)
@@ -260,29 +265,46 @@ def build_rules(settings: MixingSettings, topology: Any = None, *,
     rule of this node a :class:`~gossip.mixing.adversary.ScaledSender` (a misbehaving
     node of a robustness experiment), on every link class.
     """
+    from topologies import restrict_links
+
     from gossip.mixing import make_rule
     from gossip.mixing.adversary import ScaledSender
 
-    def one(s: MixingSettings) -> MixingRule:
+    def one(s: MixingSettings, graph: Any) -> MixingRule:
         if sender_scale is not None:
             return ScaledSender(sender_scale)
-        rule = make_rule(s.algorithm, s.compression, gamma=s.gamma, topology=topology, asynchronous=s.asynchronous,
-                         staleness=s.staleness, clip=s.clip)
-        if s.outer.is_identity:
-            return rule  # plain gossip: exactly the rule itself
+        spec = s.outer
         try:
-            check_outer_pairing(s.outer, s.algorithm, topology)
+            check_fragments(spec, algorithm=s.algorithm, asynchronous=s.asynchronous)
+            if spec.exchange == "pseudograd":
+                check_pseudograd(spec, algorithm=s.algorithm, asynchronous=s.asynchronous, gamma=s.gamma,
+                                 clip=s.clip, topology=graph)
         except ValueError as e:
             raise OptionError("outer", str(e)) from None
-        return OuterRule(rule, s.outer)  # type: ignore[return-value]
+        if spec.fragments > 1:  # one rule per fragment, each as the settings make it without fragments
+            part = s.replace(outer=dataclasses.replace(spec, fragments=1))
+            return FragmentRule(lambda: one(part, graph), spec.fragments)  # type: ignore[return-value]
+        if spec.exchange == "pseudograd":  # the compressed pseudo-gradients are what is mixed
+            return PseudoGradientRule(s.compression, spec)  # type: ignore[return-value]
+        rule = make_rule(s.algorithm, s.compression, gamma=s.gamma, topology=topology, asynchronous=s.asynchronous,
+                         staleness=s.staleness, clip=s.clip)
+        if spec.is_identity:
+            return rule  # plain gossip: exactly the rule itself
+        try:
+            check_outer_pairing(spec, s.algorithm, topology)
+        except ValueError as e:
+            raise OptionError("outer", str(e)) from None
+        return OuterRule(rule, spec)  # type: ignore[return-value]
 
     if not settings.link_policy:
-        return one(settings), None
+        return one(settings, topology), None
     per_class = {}
     for link in LINK_CLASSES:
         s = settings.for_link(link)
         try:
-            per_class[link] = (one(s), s.period)
+            # the graph a link class's rule mixes over: only that class's edges
+            graph = None if topology is None or s.outer.exchange != "pseudograd" else restrict_links(topology, link)
+            per_class[link] = (one(s, graph), s.period)
         except ValueError as e:  # a pairing only this class has (CHOCO on a time-varying graph, ...)
             raise OptionError("link_policy", f"link_policy {link}: {e}") from None
     return per_class[LINK_CLASSES[0]][0], per_class
