@@ -596,7 +596,9 @@ class Node:
         if msg.fingerprint != self.fingerprint and (msg.fingerprint or self.config.check_payloads):
             return "fingerprint"  # only in-process messages may leave it empty
         data = msg.data
-        if data is None or data.numel != self.numel:
+        ch = self.channels[0] if self._channel_of is None else self._channel_of[self.index_of[msg.sender]]
+        part = getattr(ch.rule, "payload_numel", None)  # a rule exchanging one fragment per round
+        if data is None or data.numel != (self.numel if part is None else part(msg.round, self.numel)):
             return "size"
         if self.config.check_payloads:
             # a sender numbers its messages 1, 2, ...: anything not newer than the last
