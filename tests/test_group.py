@@ -257,3 +257,59 @@ def test_environment_and_argument_errors_name_what_is_wrong() -> None:
         rank_address("nohost", 0)
     with pytest.raises(ValueError, match="verdict must be one of mix, skip, stop"):
         Decision(0, ("a:1",), "maybe")
+
+
+def _member(gid: str, groups: list[str], values: torch.Tensor, **kwargs):
+    from gossip.group_member import GroupMember
+
+    group = start_group("ddp", "cpu", environ={})
+    model = torch.nn.Linear(64, 32)
+    model, view = group.wrap(model)
+    with torch.no_grad():
+        view.flat.copy_(values)
+    return model, view, GroupMember(group, view, gid, groups, **kwargs)
+
+
+def _both(fa, fb, limit: float = 60.0) -> None:
+    """Run two members' collective steps at once (each group of one is its own thread here)."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def call(f):
+        try:
+            f()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(f,), daemon=True) for f in (fa, fb)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(limit)
+    assert not any(t.is_alive() for t in threads), "a member is still running"
+    assert not errors, errors
+
+
+def test_a_send_still_in_flight_when_mixing_moves_the_parameters_and_sends_the_values_as_they_were(monkeypatch) -> None:
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    a, b = sorted(f"127.0.0.1:{free_base(1)}" for _ in range(2))
+    n = 64 * 32 + 32
+    xa, xb = torch.arange(n, dtype=torch.float32), torch.full((n,), -1.0)
+    # a's link holds each message 1 s, longer than a waits for its transport to let go (0.3 s)
+    model_a, view_a, ma = _member(a, [a, b], xa, timeout=0.3, emulate="latency=1s")
+    model_b, view_b, mb = _member(b, [a, b], xb, timeout=30.0)
+    with ma, mb:
+        _both(lambda: ma.connect(30), lambda: mb.connect(30))
+        old = view_a.flat
+        _both(lambda: ma.exchange(1), lambda: mb.exchange(1))
+        mean = (xa + xb) / 2
+        assert ma.node.held_sends == 1 and mb.node.held_sends == 0
+        assert view_a.flat.data_ptr() != old.data_ptr()  # a mixed in fresh memory ...
+        assert torch.equal(old, xa)  # ... so what its transport was sending stayed as it was ...
+        assert torch.allclose(view_b.flat, mean)  # ... and b mixed a's values from before the round
+        assert torch.allclose(view_a.flat, mean) and view_a.is_bound()
+        assert ma.node.state.flat is view_a.flat  # the node mixes the model's memory again
+        w = model_a.weight.detach().reshape(-1)
+        assert torch.allclose(w, mean[:w.numel()])
