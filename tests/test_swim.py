@@ -1,0 +1,436 @@
+"""The SWIM failure detector (gossip/swim.py) on a tiny virtual network and clock.
+
+Every scenario is deterministic: one seed draws the nodes' rngs, latencies and
+losses, and the clock is virtual, so each runs in well under a second and a
+failure replays exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import random
+from collections import Counter
+from typing import Callable
+
+import pytest
+
+from gossip import wire
+from gossip.swim import (ALIVE, DEAD, LEFT, SUSPECT, MemberEvent, Swim, SwimMessage, SwimOptions, from_message,
+                         to_message)
+
+TICK = 0.1  # the control plane's tick
+
+
+class Net:
+    """n SWIM nodes on one event queue: a tick per node every TICK s (own phase),
+    messages after ``latency(u, v)`` s, lost with probability ``loss`` or when a
+    partition or a cut link separates them. Crashed nodes neither tick nor receive."""
+
+    def __init__(self, n: int, seed: int = 0, *, loss: float = 0.0, options: SwimOptions | None = None,
+                 latency: Callable[[int, int], float] = lambda u, v: 0.002) -> None:
+        self.ids = [f"10.0.0.{i}:5555" for i in range(n)]
+        self.index = {m: i for i, m in enumerate(self.ids)}
+        self.nodes = [Swim(self.ids[i], 1, random.Random(seed * 7919 + i), options,
+                           members=[(m, 1) for m in self.ids if m != self.ids[i]]) for i in range(n)]
+        self.rng = random.Random(seed)
+        self.loss = loss
+        self.latency = latency
+        self.now = 0.0
+        self.queue: list = []
+        self.order = 0
+        self.crashed: set[int] = set()
+        self.paused: set[int] = set()
+        self.group: dict[int, int] = {}
+        self.cut: Callable[[int, int], bool] = lambda u, v: False
+        self.trace: list[tuple[float, str, str, str, int]] = []  # (t, node, member, state, incarnation)
+        self.events: list[tuple[int, MemberEvent]] = []
+        self.sent = Counter()
+        for i in range(n):
+            self._push(self.rng.uniform(0, TICK), ("tick", i, None))
+
+    def _push(self, t: float, item: tuple) -> None:
+        heapq.heappush(self.queue, (t, self.order, item))
+        self.order += 1
+
+    def partition(self, *groups: list[int]) -> None:
+        self.group = {i: g for g, members in enumerate(groups) for i in members}
+
+    def heal(self) -> None:
+        self.group = {}
+
+    def send(self, out: list[SwimMessage], u: int) -> None:
+        for m in out:
+            self.sent[u] += 1
+            v = self.index[m.to]
+            if self.group and self.group.get(u) != self.group.get(v):
+                continue
+            if self.cut(u, v) or (self.loss and self.rng.random() < self.loss):
+                continue
+            self._push(self.now + self.latency(u, v), ("msg", v, m))
+
+    def run(self, until: float) -> None:
+        while self.queue and self.queue[0][0] <= until:
+            self.now, _, (kind, i, m) = heapq.heappop(self.queue)
+            if kind == "tick":
+                self._push(self.now + TICK, ("tick", i, None))
+            if i in self.crashed or i in self.paused:
+                continue
+            node = self.nodes[i]
+            out = node.tick(self.now) if kind == "tick" else node.receive(m, self.now)
+            self.send(out, i)
+            for ev in node.take_events():
+                self.events.append((i, ev))
+                self.trace.append((round(self.now, 9), node.id, ev.member, ev.state, ev.incarnation))
+        self.now = until
+
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.nodes)) if i not in self.crashed]
+
+    def learned(self, member: int, state: str) -> dict[int, float]:
+        """When each node first recorded ``member`` in ``state``."""
+        out: dict[int, float] = {}
+        for i, ev in self.events:
+            if ev.member == self.ids[member] and ev.state == state:
+                out.setdefault(i, ev.at)
+        return out
+
+
+def test_crash_is_dead_everywhere_within_the_bound():
+    # defaults at n = 48: suspicion 0.5 * log10(48) = 0.84 s; a crash is found by the
+    # first probe of it (about one a period), suspected at the end of that period,
+    # dead after the suspicion timeout, and spread in a few gossip ticks
+    for seed in range(3):
+        net = Net(48, seed)
+        net.run(3.0)
+        victim = 5 + seed
+        net.crashed.add(victim)
+        net.run(9.0)
+        dead = net.learned(victim, DEAD)
+        assert sorted(dead) == net.live(), seed
+        assert max(dead.values()) - 3.0 <= 5.0, (seed, max(dead.values()))
+        assert all(net.nodes[i].state(net.ids[victim]) == (DEAD, 1) for i in net.live())
+        # nobody else died, and nobody was even suspected before the crash
+        assert {ev.member for _, ev in net.events if ev.state == DEAD} == {net.ids[victim]}
+        assert all(ev.at >= 3.0 for _, ev in net.events)
+
+
+def test_slow_member_answering_indirect_probes_is_not_declared_dead():
+    # member 0's links to members 1..7 take 0.4 s each way: their direct acks miss the
+    # period, but the indirect probes through the other members come back in time
+    slow = set(range(1, 8))
+
+    def latency(u: int, v: int) -> float:
+        return 0.4 if {u, v} & {0} and {u, v} & slow else 0.002
+
+    def run(options: SwimOptions | None) -> Net:
+        net = Net(24, 3, options=options, latency=latency)
+        net.run(30.0)
+        return net
+
+    net = run(None)
+    assert not net.learned(0, DEAD)
+    assert all(net.nodes[i].state(net.ids[0])[0] == ALIVE for i in range(1, 24))
+    relayed = sum(x.sent["ping-req"] for x in net.nodes)
+    assert relayed > 0
+    # each suspicion costs member 0 a refutation. Without indirect probes it is suspected
+    # at nearly every probe from the slow side; with them, only when all 3 relays are slow
+    bare = run(SwimOptions(indirect=0))
+    refuted, refuted_bare = net.nodes[0].incarnation - 1, bare.nodes[0].incarnation - 1
+    assert refuted <= 2 and refuted_bare >= 8, (refuted, refuted_bare)
+    assert not bare.learned(0, DEAD)
+
+
+def test_falsely_suspected_member_refutes_with_a_higher_incarnation():
+    # member 4 hears nothing for 1 s (its inbound link drops all): probes of it fail, it
+    # is suspected; then it hears the suspicion and refutes before the (here 1.8 s)
+    # suspicion timeout
+    net = Net(16, 1, options=SwimOptions(suspicion_mult=3.0))
+    net.run(2.0)
+    net.cut = lambda u, v: v == 4 and 2.0 <= net.now < 3.0
+    net.run(10.0)
+    suspected = net.learned(4, SUSPECT)
+    assert len(suspected) >= 8
+    assert not net.learned(4, DEAD)
+    assert net.nodes[4].incarnation >= 2
+    for i in range(16):
+        if i != 4:
+            state, inc = net.nodes[i].state(net.ids[4])
+            assert state == ALIVE and inc == net.nodes[4].incarnation
+    # each node that suspected it saw the refutation: alive again, at the new incarnation
+    back = [(i, ev) for i, ev in net.events if ev.member == net.ids[4] and ev.state == ALIVE]
+    assert {i for i, _ in back} == set(suspected)
+    assert all(ev.previous == SUSPECT and ev.incarnation >= 2 for _, ev in back)
+
+
+def test_partition_suspects_then_kills_the_other_half_and_the_heal_revives_it():
+    n = 16
+    left, right = list(range(8)), list(range(8, 16))
+    net = Net(n, 2)
+    net.run(2.0)
+    net.partition(left, right)
+    net.run(10.0)
+    for side, other in ((left, right), (right, left)):
+        for i in side:
+            node = net.nodes[i]
+            assert all(node.state(net.ids[j]) == (DEAD, 1) for j in other), i
+            assert all(node.state(net.ids[j])[0] == ALIVE for j in side if j != i), i
+            # suspected before dead
+            for j in other:
+                kinds = [ev.state for k, ev in net.events if k == i and ev.member == net.ids[j]]
+                assert kinds == [SUSPECT, DEAD], (i, j, kinds)
+    net.heal()
+    net.run(40.0)
+    for i in range(n):
+        node = net.nodes[i]
+        assert node.incarnation >= 2  # each refuted its death
+        for j in range(n):
+            if j != i:
+                state, inc = node.state(net.ids[j])
+                assert state == ALIVE and inc == net.nodes[j].incarnation, (i, j, state, inc)
+
+
+@pytest.mark.parametrize("loss", [0.1, 0.2])
+def test_message_loss_causes_no_false_deaths_at_the_defaults(loss):
+    net = Net(32, 4, loss=loss)
+    net.run(40.0)
+    states = Counter(ev.state for _, ev in net.events)
+    assert states[DEAD] == 0, states
+    assert states[SUSPECT] > 0  # the loss did make probes fail: the suspicions were refuted
+    for i in range(32):
+        assert net.nodes[i].members() == sorted(m for m in net.ids if m != net.ids[i])
+
+
+def test_messages_per_node_and_period_do_not_grow_with_n():
+    rates = {}
+    for n in (16, 128):
+        net = Net(n, 5)
+        net.run(20.0)
+        periods = 20.0 / SwimOptions().period
+        rates[n] = sum(net.sent.values()) / n / periods
+    # one ping and, on average, one ack per node and period, whatever n
+    assert abs(rates[16] - rates[128]) < 0.05, rates
+    assert 1.9 < rates[128] < 2.1, rates
+
+
+def test_same_seed_gives_the_same_trace():
+    def trace(seed: int) -> list:
+        net = Net(20, seed, loss=0.1)
+        net.run(2.0)
+        net.crashed.add(3)
+        net.run(8.0)
+        return net.trace
+
+    a, b, c = trace(7), trace(7), trace(8)
+    assert a == b and len(a) > 19
+    assert a != c
+
+
+def test_join_spreads_and_leave_is_not_death():
+    net = Net(12, 6)
+    net.run(2.0)
+    # a newcomer, admitted by member 0 alone (it said hello there); it has the member
+    # list from member 0's reply (the control plane's members message)
+    new = "10.0.1.1:5555"
+    net.ids.append(new)
+    net.index[new] = 12
+    net.nodes.append(Swim(new, 5, random.Random(99), members=[(m, 1) for m in net.ids[:12]]))
+    net._push(net.now, ("tick", 12, None))
+    net.nodes[0].join(new, 5, net.now)
+    net.run(6.0)
+    assert all(net.nodes[i].state(new) == (ALIVE, 5) for i in range(12))
+    assert net.nodes[12].members() == sorted(net.ids[:12])
+    joined = [ev for _, ev in net.events if ev.member == new]
+    assert len(joined) == 12 and all(ev.previous is None for ev in joined)
+    # member 2 leaves: everyone records it as left, nobody as dead
+    net.send(net.nodes[2].leave(net.now), 2)
+    net.run(7.0)
+    net.crashed.add(2)  # and then it is gone
+    net.run(15.0)
+    assert all(net.nodes[i].state(net.ids[2]) == (LEFT, 1) for i in net.live())
+    assert not net.learned(2, DEAD) and not net.learned(2, SUSPECT)
+
+
+def test_precedence_of_updates():
+    node = Swim("a", 1, random.Random(0), members=[("b", 3), ("c", 1)])
+
+    def say(state: str, inc: int) -> tuple[str, int]:
+        node.receive(SwimMessage("a", "c", {"op": "gossip", "inc": 1, "uid": ["b"], "ust": [state],
+                                            "uinc": [inc]}), 1.0)
+        return node.state("b")
+
+    assert say(SUSPECT, 2) == (ALIVE, 3)   # older incarnation: ignored
+    assert say(DEAD, 2) == (ALIVE, 3)
+    assert say(ALIVE, 3) == (ALIVE, 3)
+    assert say(SUSPECT, 3) == (SUSPECT, 3)
+    assert say(ALIVE, 3) == (SUSPECT, 3)   # suspicion beats alive at the same incarnation
+    assert say(ALIVE, 4) == (ALIVE, 4)     # a refutation
+    assert say(DEAD, 4) == (DEAD, 4)
+    assert say(ALIVE, 4) == (DEAD, 4)
+    assert say(SUSPECT, 5) == (DEAD, 4)    # dead is not suspected
+    assert say(ALIVE, 5) == (ALIVE, 5)     # a rejoin
+    assert say(LEFT, 5) == (LEFT, 5)
+    assert say(DEAD, 6) == (LEFT, 5)       # left is final for that life
+    assert say(ALIVE, 6) == (ALIVE, 6)
+    assert [(e.state, e.incarnation) for e in node.take_events()] == [
+        (SUSPECT, 3), (ALIVE, 4), (DEAD, 4), (ALIVE, 5), (LEFT, 5), (ALIVE, 6)]
+    assert node.rejected == Counter()
+
+
+def test_updates_about_this_node_are_refuted():
+    node = Swim("a", 4, random.Random(0), members=[("c", 1)])
+    out = node.receive(SwimMessage("a", "c", {"op": "gossip", "inc": 1, "uid": ["a"], "ust": [SUSPECT],
+                                              "uinc": [4]}), 1.0)
+    assert node.incarnation == 5
+    # the refutation goes straight back to whoever said it
+    assert [m.to for m in out] == ["c"] and out[0].fields["uid"][0] == "a" and out[0].fields["ust"][0] == ALIVE
+    node.receive(SwimMessage("a", "c", {"op": "gossip", "inc": 1, "uid": ["a"], "ust": [DEAD], "uinc": [3]}), 1.0)
+    assert node.incarnation == 5  # about a life already refuted
+    node.receive(SwimMessage("a", "c", {"op": "gossip", "inc": 1, "uid": ["a"], "ust": [DEAD], "uinc": [9]}), 1.0)
+    assert node.incarnation == 10
+
+
+def test_messages_travel_in_the_wire_header():
+    net = Net(4, 0)
+    net.run(1.0)
+    node = net.nodes[0]
+    node._apply(net.ids[2], SUSPECT, 1, 1.0)  # so that messages carry updates
+    out = node.tick(1.6) + node.tick(1.7)
+    assert out and any("uid" in m.fields for m in out)
+    for m in out:
+        msg = to_message(m, fingerprint="f" * 16)
+        assert msg.kind == "swim" and msg.sender == m.sender
+        # the wire checks x as it does for every kind; "swim" itself is not yet in wire.KINDS
+        frames = wire.encode(dataclasses.replace(msg, kind="ping"))
+        back = from_message(wire.decode(frames), m.to)
+        assert back == m
+
+
+def _snapshot(node: Swim) -> tuple:
+    return (node.incarnation, {k: tuple(v) for k, v in node._table.items()}, dict(node._timers),
+            {k: (u.state, u.inc) for k, u in node._queue.items()}, node.left, node._probe)
+
+
+def test_hostile_and_malformed_messages_are_counted_and_change_nothing():
+    rng = random.Random(11)
+    me, peer = "10.0.0.1:1", "10.0.0.2:1"
+    node = Swim(me, 7, random.Random(1), members=[(peer, 3), ("10.0.0.3:1", 2)])
+    node.tick(0.0)
+    good = {"op": "gossip", "inc": 3, "uid": ["10.0.0.3:1"], "ust": [DEAD], "uinc": [2]}
+    junk = [None, True, False, -1, 2**63, 2**64, 1.5, math.nan, "", "x" * 300, "ping", [], [1], {}, {"a": 1},
+            b"bytes", ["alive"], [True], [-1], [None], ["10.0.0.3:1", "10.0.0.3:1"], [2**63]]
+    bad_messages = [
+        "not a message", SwimMessage(me, peer, "fields"), SwimMessage(me, peer, []),
+        SwimMessage(me, me, dict(good)), SwimMessage("elsewhere", peer, dict(good)),
+        SwimMessage(me, "", dict(good)), SwimMessage(me, 5, dict(good)), SwimMessage(me, "y" * 257, dict(good)),
+    ]
+    for _ in range(3000):
+        x = dict(good)
+        x["op"] = rng.choice(["ping", "ping-req", "ack", "gossip"])
+        if x["op"] != "gossip":
+            x["seq"] = 1
+        if x["op"] in ("ping-req", "ack"):
+            x["target"] = "10.0.0.3:1"
+        key = rng.choice(["op", "inc", "seq", "target", "uid", "ust", "uinc", "all-updates"])
+        if key == "all-updates":
+            x["uid"], x["ust"], x["uinc"] = rng.choice([(["a", "b"], [DEAD], [1]), ([], [], [1]), ([1], [DEAD], [1]),
+                                                        (["10.0.0.3:1"] * 2, [DEAD] * 2, [2, 2])])
+        elif key == "seq" and x["op"] == "gossip":
+            continue
+        elif key == "target" and x["op"] in ("ping", "gossip"):
+            continue
+        else:
+            v = rng.choice(junk)
+            if key in ("ust",) and v == ["alive"]:
+                continue  # that one is valid
+            if key in ("op",) and v == "ping":
+                continue
+            if key == "inc" and v == 2**63:
+                pass
+            if rng.random() < 0.2:
+                x.pop(key)
+            else:
+                x[key] = v
+        bad_messages.append(SwimMessage(me, peer, x))
+    for _ in range(1000):  # and shapeless maps
+        bad_messages.append(SwimMessage(me, peer, {rng.choice(["op", "inc", "seq", "uid", "q"]): rng.choice(junk)
+                                                   for _ in range(rng.randint(0, 4))}))
+    before = _snapshot(node)
+    refused = 0
+    for m in bad_messages:
+        count = sum(node.rejected.values())
+        out = node.receive(m, 1.0)
+        if sum(node.rejected.values()) > count:
+            refused += 1
+            assert _snapshot(node) == before and out == [], m
+        node.take_events()
+        before = _snapshot(node)
+    assert refused >= 0.95 * len(bad_messages), (refused, len(bad_messages), node.rejected)
+    assert {"op", "inc", "updates", "self", "misdirected", "sender", "type", "fields"} <= set(node.rejected)
+    # a well-formed message still works afterwards
+    node.receive(SwimMessage(me, peer, dict(good)), 2.0)
+    assert node.state("10.0.0.3:1") == (DEAD, 2)
+
+
+def test_strangers_are_answered_but_not_believed():
+    node = Swim("a", 1, random.Random(0), members=[("b", 1)])
+    out = node.receive(SwimMessage("a", "z", {"op": "ping", "inc": 1, "seq": 4, "uid": ["b"], "ust": [DEAD],
+                                              "uinc": [1]}), 1.0)
+    assert [(m.to, m.op, m.fields["seq"]) for m in out] == [("z", "ack", 4)] and "uid" not in out[0].fields
+    assert node.state("b") == (ALIVE, 1) and node.state("z") is None
+    assert node.ignored["not-member"] == 1 and not node.rejected
+    node.receive(SwimMessage("a", "z", {"op": "ping-req", "inc": 1, "seq": 4, "target": "b"}), 1.0)
+    assert node.ignored["not-member"] == 2 and not node._relays
+
+
+def test_bad_options_name_the_option():
+    for kwargs, name in [({"period": 0}, "period"), ({"period": math.inf}, "period"),
+                         ({"probe_timeout": 0.5}, "probe_timeout"), ({"indirect": -1}, "indirect"),
+                         ({"gossip_nodes": 0}, "gossip_nodes"), ({"retransmit_mult": 1.5}, "retransmit_mult"),
+                         ({"max_piggyback": 0}, "max_piggyback"), ({"suspicion_mult": -1}, "suspicion_mult"),
+                         ({"indirect": True}, "indirect")]:
+        with pytest.raises(ValueError, match=name):
+            SwimOptions(**kwargs)
+    with pytest.raises(ValueError, match="node_id"):
+        Swim("", 1, random.Random(0))
+    with pytest.raises(ValueError, match="incarnation"):
+        Swim("a", -1, random.Random(0))
+
+
+def test_timeouts_scale_with_log_n():
+    opt = SwimOptions()
+    assert opt.suspicion_timeout(10) == opt.period
+    assert opt.suspicion_timeout(1000) == pytest.approx(3 * opt.period)
+    assert opt.retransmit_limit(9) == 4 and opt.retransmit_limit(99) == 8 and opt.retransmit_limit(1024) == 16
+
+
+def test_a_node_that_stalled_does_not_blame_the_members():
+    def probing(node: Swim) -> float:
+        t = 0.0
+        while not any(m.op == "ping" for m in node.tick(t)):
+            t += TICK
+        return t
+
+    # a probe left unanswered fails at the end of its period...
+    node = Swim("a", 1, random.Random(0), members=[("b", 1), ("c", 1)])
+    t = probing(node)
+    target = node._probe.target
+    node.tick(t + 0.2)
+    node.tick(t + 0.4)
+    node.tick(t + 0.6)
+    assert node.state(target) == (SUSPECT, 1)
+    # ...but not when this node itself did not run meanwhile (its acks may be waiting unread)
+    node = Swim("a", 1, random.Random(0), members=[("b", 1), ("c", 1)])
+    t = probing(node)
+    node.tick(t + 3.0)
+    assert node.state(target) == (ALIVE, 1) and not node.take_events()
+    # and a suspicion gets the stalled time back
+    node.receive(SwimMessage("a", "c", {"op": "gossip", "inc": 1, "uid": ["b"], "ust": [SUSPECT], "uinc": [1]}),
+                 t + 3.0)
+    node.tick(t + 3.1)
+    node.tick(t + 6.0)
+    assert node.state("b") == (SUSPECT, 1)
+    for k in range(1, 6):
+        node.tick(t + 6.0 + k * TICK)
+    assert node.state("b") == (DEAD, 1)
