@@ -313,3 +313,27 @@ def test_a_send_still_in_flight_when_mixing_moves_the_parameters_and_sends_the_v
         assert ma.node.state.flat is view_a.flat  # the node mixes the model's memory again
         w = model_a.weight.detach().reshape(-1)
         assert torch.allclose(w, mean[:w.numel()])
+
+
+def test_the_simulator_models_a_group_as_one_node_whose_exchange_runs_k_streams() -> None:
+    import gossip
+    from gossip.transport.sim import LinkModel, SimNetwork, group_link, parse_link
+
+    link = parse_link("latency=5ms,bandwidth=100Mbit,streams=4")
+    assert link.bandwidth == 4e8 and link.latency == 0.005
+    net = SimNetwork({"intra": link}, lambda u, v: "intra")
+    n = 10**6
+    assert net.transmit(0, 1, n, 0.0) == pytest.approx(n * 8 / 4e8 + 0.005)  # K shards at once, one latency
+    assert net.bytes_by_class["intra"] == n  # every byte still crosses the link
+    assert group_link(LinkModel(bandwidth=1e9), 1) == LinkModel(bandwidth=1e9)
+    with pytest.raises(ValueError, match="streams must be an integer"):
+        parse_link("streams=four")
+    with pytest.raises(ValueError, match="streams must be a positive integer"):
+        parse_link("streams=0")
+    runs = {k: gossip.simulate(gossip.SimConfig(nodes=2, task="synthetic", steps=4, seed=1,
+                                                link=f"latency=0,bandwidth=10Mbit,streams={k}")).summary
+            for k in (1, 4)}
+    assert runs[1]["bytes_sent"] == runs[4]["bytes_sent"]
+    message = runs[1]["bytes_sent"] / (2 * 4)  # two nodes, four rounds, one message each
+    saved = 4 * message * 8 / 10e6 * (1 - 1 / 4)  # each round's transfer takes a quarter as long
+    assert runs[1]["sim_time_s"] - runs[4]["sim_time_s"] == pytest.approx(saved, rel=1e-6)

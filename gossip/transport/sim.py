@@ -9,6 +9,7 @@ arrive. Links are classified "intra" or "inter" datacenter by the topology's
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import Counter
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["LinkModel", "SimNetwork", "parse_link", "LAN", "WAN"]
+__all__ = ["LinkModel", "SimNetwork", "parse_link", "group_link", "LAN", "WAN"]
 
 _UNITS_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 _UNITS_RATE = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
@@ -87,10 +88,16 @@ def _parse_quantity(key: str, text: str, units: dict[str, float]) -> float:
 
 def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel:
     """Parse ``latency=50ms,bandwidth=100Mbit,jitter=1ms,loss=0.01,drop=N,down=10s-30s``
-    (or ``lan`` / ``wan``).
+    (or ``lan`` / ``wan``), and ``streams=K``.
 
     Unspecified fields keep ``base``'s values. Times take s/ms/us, rates
-    bit/kbit/Mbit/Gbit (per second).
+    bit/kbit/Mbit/Gbit (per second). ``streams=K`` models nodes that are groups of
+    K ranks (:mod:`gossip.group`): rank r sends its 1/K shard to rank r over a
+    connection of its own of ``bandwidth``, all at once, so the link carries K
+    times ``bandwidth`` (:func:`group_link`); latency, loss and bytes are unchanged.
+
+    >>> parse_link("bandwidth=1Gbit,streams=4").bandwidth
+    4000000000.0
 
     >>> parse_link("latency=50ms,down=10-30s").down
     (10.0, 30.0)
@@ -106,11 +113,13 @@ def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel
         return WAN
     fields: dict[str, Any] = {"latency": base.latency, "bandwidth": base.bandwidth, "jitter": base.jitter,
                               "loss": base.loss, "drop": base.drop, "down": base.down}
+    streams = 1
     for item in s.split(","):
         key, eq, value = item.partition("=")
         key = key.strip()
-        if not eq or key not in fields:
-            raise ValueError(f"link spec {spec!r}: bad item {item!r}; valid keys: {', '.join(fields)} (key=value)")
+        if not eq or key not in (*fields, "streams"):
+            raise ValueError(f"link spec {spec!r}: bad item {item!r}; valid keys: {', '.join(fields)}, streams "
+                             "(key=value)")
         if key in ("latency", "jitter"):
             fields[key] = _parse_quantity(key, value, _UNITS_TIME)
         elif key == "bandwidth":
@@ -123,6 +132,11 @@ def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel
             if m and re.fullmatch(r"\s*[0-9.e+]+\s*", start):
                 start += m.group(1)  # "10-30s": the end's unit is the start's too
             fields[key] = (_parse_quantity(key, start, _UNITS_TIME), _parse_quantity(key, end, _UNITS_TIME))
+        elif key == "streams":
+            try:
+                streams = int(value)
+            except ValueError:
+                raise ValueError(f"link spec {spec!r}: streams must be an integer (ranks per group)") from None
         elif key == "drop":
             try:
                 fields[key] = int(value)
@@ -130,7 +144,20 @@ def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel
                 raise ValueError(f"link spec {spec!r}: drop must be an integer (the N-th message)") from None
         else:
             fields[key] = _parse_quantity(key, value, {})
-    return LinkModel(**fields)
+    return group_link(LinkModel(**fields), streams)
+
+
+def group_link(model: LinkModel, streams: int) -> LinkModel:
+    """``model`` between two groups of ``streams`` ranks each: each rank pair has its own
+    connection of ``model.bandwidth`` and carries 1/``streams`` of each message, so a
+    message leaves ``streams`` times sooner; latency, jitter and losses stay the link's.
+
+    >>> group_link(LinkModel(bandwidth=1e9), 4).transfer_time(4 * 10**6)
+    0.008
+    """
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise ValueError(f"streams must be a positive integer (ranks per group), got {streams!r}")
+    return model if streams == 1 else dataclasses.replace(model, bandwidth=model.bandwidth * streams)
 
 
 class SimNetwork:
