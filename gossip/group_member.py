@@ -29,7 +29,7 @@ import math
 import queue
 import time
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,11 +84,16 @@ class GroupMember:
     emulate : link emulation of this rank's connection, a
         :func:`~gossip.transport.sim.parse_link` spec (``bandwidth=1Gbit,latency=1ms``)
     bind : host to bind (default: the address's own host)
+    control : ``control(routing_id, frames)`` for every arriving message that is neither
+        a shard's state nor a hello (called on the I/O thread, frames as they came):
+        the hook through which rank 0's control plane (membership, joins, failure
+        detection) shares this rank's connection and address
     """
 
     def __init__(self, group: Group, view: ShardView, group_id: str, groups: Sequence[str], *,
                  mixing: MixingSettings | None = None, topology: str = "ring", timeout: float = 30.0,
-                 emulate: str | LinkModel | None = None, bind: str | None = None, seed: int = 0) -> None:
+                 emulate: str | LinkModel | None = None, bind: str | None = None, seed: int = 0,
+                 control: Callable[[bytes, list], None] | None = None) -> None:
         groups = tuple(groups)
         if group_id not in groups:
             raise GroupError(f"group {group_id} is not in the group list {', '.join(groups)}")
@@ -103,6 +108,7 @@ class GroupMember:
         self.topology_spec = topology
         self.timeout = float(timeout)
         self.seed = seed
+        self.control = control
         self.clock = time.monotonic
         self.t0 = self.clock()
         self.inbound: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -149,7 +155,10 @@ class GroupMember:
         except wire.WireError as e:
             self.rejected[e.reason] += 1
             return
-        self.inbound.put(msg)
+        if msg.kind in ("state", "hello") or self.control is None:
+            self.inbound.put(msg)
+        else:
+            self.control(ident, frames)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:

@@ -337,3 +337,32 @@ def test_the_simulator_models_a_group_as_one_node_whose_exchange_runs_k_streams(
     message = runs[1]["bytes_sent"] / (2 * 4)  # two nodes, four rounds, one message each
     saved = 4 * message * 8 / 10e6 * (1 - 1 / 4)  # each round's transfer takes a quarter as long
     assert runs[1]["sim_time_s"] - runs[4]["sim_time_s"] == pytest.approx(saved, rel=1e-6)
+
+
+def test_control_traffic_reaches_rank_0s_control_plane_through_the_rank_s_own_connection(monkeypatch) -> None:
+    import threading
+
+    from gossip import wire
+    from gossip.message import Message
+
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    a, b = sorted(f"127.0.0.1:{free_base(1)}" for _ in range(2))
+    got: list[str] = []
+    arrived = threading.Event()
+
+    def control(ident: bytes, frames: list) -> None:
+        got.append(wire.decode(frames).kind)
+        arrived.set()
+
+    x = torch.zeros(64 * 32 + 32)
+    _, _, ma = _member(a, [a, b], x)
+    _, _, mb = _member(b, [a, b], x, control=control)
+    with ma, mb:
+        _both(lambda: ma.connect(30), lambda: mb.connect(30))
+        ma.transport.send(b, wire.encode(Message("ping", a, 0, 0, 1)), droppable=False)
+        assert arrived.wait(30)
+        assert got == ["ping"]  # hellos and state stay with the member; the rest goes to the hook
+        mb.transport.send(a, wire.encode(Message("ping", b, 0, 0, 1)), droppable=False)
+        _both(lambda: ma.exchange(1), lambda: mb.exchange(1))  # a round after the ping: it has arrived
+        assert ma.rejected["kind"] == 1  # without a hook, a kind the member does not handle is counted
