@@ -366,3 +366,12 @@ def test_control_traffic_reaches_rank_0s_control_plane_through_the_rank_s_own_co
         mb.transport.send(a, wire.encode(Message("ping", b, 0, 0, 1)), droppable=False)
         _both(lambda: ma.exchange(1), lambda: mb.exchange(1))  # a round after the ping: it has arrived
         assert ma.rejected["kind"] == 1  # without a hook, a kind the member does not handle is counted
+
+
+def test_the_examples_in_the_docstrings_hold() -> None:
+    import doctest
+
+    import gossip.group
+
+    result = doctest.testmod(gossip.group)
+    assert result.attempted >= 5 and result.failed == 0
