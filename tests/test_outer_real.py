@@ -84,3 +84,31 @@ def test_a_late_real_joiner_takes_the_outer_momentum(tmp_path):
     assert s["joined"] is True and s["steps"] == 3000, s
     assert "took the state of" in log
     assert "took the outer momentum of channel(s) all with the parameters" in log
+
+
+def test_three_real_nodes_with_pseudograd_top_k_and_fragments_match_the_simulator(tmp_path):
+    """exchange=pseudograd (top-k, error feedback) over 2 fragments on real nodes: the wire carries
+    one fragment's compressed pseudo-gradient per round, and the numbers are the simulator's."""
+    steps, period, n = 8, 2, 3
+    spec = OUTER + ",exchange=pseudograd,fragments=2"
+    ports = sorted(free_port() for _ in range(n))
+    with Cluster(tmp_path) as c:
+        nodes = [c.start(f"n{i}", ["--peers", f"127.0.0.1:{ports[(i + 1) % n]}", "--topology", "complete",
+                                   "--task", "synthetic", "--steps", str(steps), "--period", str(period),
+                                   "--outer", spec, "--compression", "topk:0.2", "--seed", "0", "--json", *FAST,
+                                   "--checkpoint-dir", str(tmp_path / f"ck{i}")], port=ports[i]) for i in range(n)]
+        assert c.wait_all(120) == [0] * n
+    sim = Simulation(nodes=n, topology="complete", task="synthetic", steps=steps, period=period, outer=spec,
+                     compression="topk:0.2", seed=0, eval_every=steps)
+    result = sim.run().result()
+    ids = sorted(f"127.0.0.1:{p}" for p in ports)
+    for i, node in enumerate(nodes):
+        rank = ids.index(node.summary()["node"])
+        state = load_checkpoint(latest_checkpoint(tmp_path / f"ck{i}"))
+        torch.testing.assert_close(state["flat"], result.params[rank], rtol=1e-5, atol=1e-6)
+        parts = state["rules"][0]["fragments"]
+        assert [p["outer_steps"] for p in parts] == [2, 2]
+        for got, want in zip(parts, sim.nodes[rank].rule.rules):
+            torch.testing.assert_close(got["residual"], want.residual, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got["momentum"], want.momentum, rtol=1e-5, atol=1e-6)
+        assert not node.summary()["rejected"]  # no fragment refused for its size
