@@ -23,7 +23,13 @@ What travels is what the mixing rule sends today: the parameters (one vector, th
 same bytes); a lossy codec under CHOCO sends C(theta_i - theta^_i), theta^_i being the
 public copy, which right after an exchange is about the anchor: so what travels is
 about the compressed pseudo-gradient, and what the codec drops stays in
-theta_i - theta^_i and is sent later (error feedback by construction).
+theta_i - theta^_i and is sent later (error feedback by construction). Where CHOCO's
+copies cannot follow the outer step (top-k under Nesterov), ``exchange=pseudograd``
+mixes the compressed pseudo-gradients themselves, with a residual of their own, and
+steps on that mix (:mod:`gossip.mixing.pseudograd`; exact averaging only);
+``fragments=F`` exchanges one of F parameter fragments per round
+(:mod:`gossip.mixing.fragments`). Both are built by
+:func:`gossip.mixing.settings.build_rules`, not by :class:`OuterRule`.
 
 Why the average follows the outer optimizer. W is doubly stochastic (sync and
 asynchronous gossip, CHOCO), so the mean over nodes of theta~_i is the mean of
