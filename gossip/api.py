@@ -20,6 +20,7 @@ import torch
 from gossip.batched import choose_engine, parse_engine
 from gossip.data import parse_split
 from gossip.faults import parse_faults
+from gossip.lockstep import choose_lockstep
 from gossip.mixing.adversary import parse_byzantine
 from gossip.membership import topology_for
 from gossip.mixing.settings import MixingSettings, build_rules, with_mixing_options
@@ -68,7 +69,8 @@ class SimConfig:
     eval_every: int = 0              # local steps between evaluations (0: about 20 points per run)
     device: str = "cpu"
     threads: int = 1                 # torch intra-op threads during the run (small models are fastest on 1)
-    engine: str = "auto"             # local steps: auto | batched (one vectorised call) | per-node (gossip.batched)
+    engine: str = "auto"             # auto | lockstep (whole rounds at once, gossip.lockstep) | batched (local
+                                     # steps due together as one vectorised call, gossip.batched) | per-node
 
     def __post_init__(self) -> None:
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
@@ -300,6 +302,13 @@ class Simulation:
                                  step_every=every, faults=parse_faults(cfg.faults, cfg.nodes), make_node=make_node,
                                  topology_for=topology_of, detect=float(cfg.detect), batched=self.batched)
             self.recorder.sim = self.sim
+            # synchronous exact gossip with every node in step: whole rounds at once (gossip.lockstep)
+            self.sim.lockstep, self.engine_note = choose_lockstep(cfg.engine, self.sim, self.engine_note)
+
+    @property
+    def engine(self) -> str:
+        """The engine that runs: ``lockstep``, ``batched`` or ``per-node`` (``engine_note`` says why)."""
+        return "lockstep" if self.sim.lockstep is not None else "per-node" if self.batched is None else "batched"
 
     @property
     def now(self) -> float:
@@ -354,7 +363,8 @@ class Simulation:
             "faults": [f"{t:.3f}s {what}" for t, what in sim.fault_log],
             "missing_neighbors": sum(n.mix_totals.missing for n in nodes),
             "rejected": sum(sum(n.rejected.values()) for n in nodes),
-            "engine": "per-node" if self.batched is None else "batched",
+            "engine": self.engine,
+            "engine_note": self.engine_note,
             "sim_time_s": sim.now,
             "wall_time_s": time.perf_counter() - self.wall_start,
         }

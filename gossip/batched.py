@@ -42,8 +42,9 @@ __all__ = ["ENGINES", "parse_engine", "batch_support", "BatchedSteps", "choose_e
 
 log = logging.getLogger("gossip.batched")
 
-#: ``auto`` batches when :func:`batch_support` allows it, else runs per node.
-ENGINES = ("auto", "batched", "per-node")
+#: ``auto`` runs in lockstep when :func:`gossip.lockstep.lockstep_refusal` allows it,
+#: else batches when :func:`batch_support` allows it, else runs per node.
+ENGINES = ("auto", "lockstep", "batched", "per-node")
 
 
 def parse_engine(engine: Any) -> str:
@@ -287,8 +288,10 @@ class BatchedSteps:
 def choose_engine(engine: str, task: Any, nodes: Sequence[Any], measured: bool = False) -> tuple[BatchedSteps | None, str]:
     """The engine a simulation runs: ``(BatchedSteps or None for per-node, why)``.
 
-    ``"batched"`` raises ValueError, with the reason, when the run cannot batch;
-    ``"auto"`` then falls back to the per-node engine and says why.
+    ``"batched"`` and ``"lockstep"`` (which steps through the batched engine) raise
+    ValueError, with the reason, when the run cannot batch; ``"auto"`` then falls
+    back to the per-node engine and says why. Whether a batched run goes on in
+    lockstep is :func:`gossip.lockstep.choose_lockstep`'s to say.
     """
     engine = parse_engine(engine)
     if engine == "per-node":
@@ -296,7 +299,7 @@ def choose_engine(engine: str, task: Any, nodes: Sequence[Any], measured: bool =
     reason = batch_support(task, nodes, measured)
     if reason is None:
         return BatchedSteps(task, nodes), "batched"
-    if engine == "batched":
-        raise ValueError(f"engine 'batched' cannot run this simulation: {reason} (use engine auto or per-node)")
+    if engine in ("batched", "lockstep"):
+        raise ValueError(f"engine {engine!r} cannot run this simulation: {reason} (use engine auto or per-node)")
     log.info("running the per-node engine: %s", reason)
     return None, reason

@@ -168,10 +168,11 @@ def build_sim_parser() -> argparse.ArgumentParser:
                    help="crash:N@T, join:N@T or partition:A|B@T1-T2 (node groups like 0-3,7; repeatable)")
     p.add_argument("--detect", type=float, default=3.0, metavar="SEC",
                    help="seconds before survivors act on a crash or partition (default: 3)")
-    p.add_argument("--engine", default="auto", metavar="auto|batched|per-node",
-                   help="how local steps run: batched = all nodes' steps due together as one vectorised call "
-                        "(tasks that allow it), per-node = one model at a time, auto = batched when the task, "
-                        "model and optimizer allow it (default: auto)")
+    p.add_argument("--engine", default="auto", metavar="auto|lockstep|batched|per-node",
+                   help="how nodes run: lockstep = every node a round at a time, one vectorised step and one "
+                        "sparse mixing product (synchronous exact gossip, fixed compute, no faults), batched = "
+                        "all nodes' steps due together as one vectorised call (tasks that allow it), per-node = "
+                        "one model at a time, auto = the first of these the run allows (default: auto)")
     p.add_argument("--out", default=None, metavar="FILE.jsonl", help="write metrics as JSON lines")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write the metrics as TensorBoard scalars in DIR (needs the tensorboard extra)")

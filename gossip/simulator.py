@@ -167,6 +167,10 @@ class Simulator:
         node that asked resumes, before ``on_step`` and a join look at the nodes,
         and whenever :meth:`run` returns
 
+    Set :attr:`lockstep` (a :class:`gossip.lockstep.Lockstep` over this simulator)
+    before the first :meth:`run` to advance every node a phase at a time instead
+    of event by event.
+
     Membership is modelled the way real nodes behave: the running nodes that can
     reach each other form a group; after ``detect`` seconds every node of a
     group adopts the group's member list at the same moment (a node waiting on a
@@ -182,6 +186,8 @@ class Simulator:
                  batched: Any = None) -> None:
         self.nodes = list(nodes)
         self.batched = batched  # a gossip.batched.BatchedSteps running the nodes' local steps, or None
+        self.lockstep: Any = None  # a gossip.lockstep.Lockstep advancing every node at once, or None
+        self.compute = compute
         self._size_of = MessageSizes()
         self.network = network
         self.compute_time = compute.sampler(seed)
@@ -356,7 +362,10 @@ class Simulator:
     def run(self, until: float | None = None) -> None:
         """Process events until every node has finished (or simulated time ``until``)."""
         try:
-            self._run(until)
+            if self.lockstep is not None:
+                self.lockstep.run(until)
+            else:
+                self._run(until)
         finally:
             if self.batched is not None:
                 self.batched.flush()  # whoever looks next sees every step asked for

@@ -18,6 +18,7 @@ from torch import nn
 from gossip.api import SimConfig, Simulation, simulate
 from gossip.batched import ENGINES, BatchedSteps, batch_support, parse_engine
 from gossip.cli import sim_main
+from gossip.lockstep import DELIVER, Lockstep
 from gossip.replicas import ReplicaRows, stacked_optimizer
 from gossip.state import FlatState
 from gossip.tasks import SyntheticTask
@@ -185,8 +186,8 @@ def test_a_subclass_that_changes_loss_or_batches_must_declare_batchable_itself()
 
 
 def test_engine_names_are_checked():
-    assert parse_engine("batched") == "batched" and ENGINES == ("auto", "batched", "per-node")
-    with pytest.raises(ValueError, match="unknown engine 'fast'; valid: auto, batched, per-node"):
+    assert parse_engine("batched") == "batched" and ENGINES == ("auto", "lockstep", "batched", "per-node")
+    with pytest.raises(ValueError, match="unknown engine 'fast'; valid: auto, lockstep, batched, per-node"):
         SimConfig(engine="fast")
 
 
@@ -195,6 +196,10 @@ def test_cli_engine_flag(capsys):
     assert '"engine": "per-node"' in capsys.readouterr().out
     assert sim_main(["--nodes", "3", "--steps", "4", "--engine", "batched", "--json"]) == 0
     assert '"engine": "batched"' in capsys.readouterr().out
+    assert sim_main(["--nodes", "3", "--steps", "4", "--engine", "lockstep", "--json"]) == 0
+    assert '"engine": "lockstep"' in capsys.readouterr().out
+    assert sim_main(["--nodes", "3", "--steps", "4", "--async", "--engine", "lockstep"]) == 2
+    assert "engine 'lockstep' cannot run this simulation: node 0 mixes with AsyncGossipRule" in capsys.readouterr().err
     assert sim_main(["--nodes", "3", "--steps", "4", "--engine", "vector"]) == 2
     assert "unknown engine 'vector'" in capsys.readouterr().err
 
@@ -333,3 +338,146 @@ def test_batched_evaluation_matches_each_nodes_own():
     plain = Simulation(SimConfig(nodes=3, task=Plain(samples=200, test_samples=50), steps=4, engine="batched"))
     assert plain.batched.evaluate(plain.nodes) is None
     assert plain.run().result().summary["mean_node_accuracy"] > 0
+
+
+# -- the lockstep engine: whole rounds at once, against the event loop ---------------------------
+
+LOCKSTEP = {
+    "ring": dict(topology="ring"),
+    "time-varying": dict(topology="one-peer-exponential"),
+    # a period of 3 with 100 steps: the last step ends without an exchange
+    "period-3": dict(topology="exponential", period=3, steps=100),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOCKSTEP))
+def test_lockstep_gives_the_per_node_results(case):
+    cfg = SimConfig(**{"nodes": 8, "task": "digits", "steps": 200, "seed": 3, "eval_every": 20, **LOCKSTEP[case]})
+    per = simulate(dataclasses.replace(cfg, engine="per-node"))
+    auto = simulate(cfg)  # auto chooses lockstep for this run
+    assert auto.summary["engine"] == "lockstep" and auto.summary["engine_note"] == "lockstep"
+    a, b = torch.stack(per.params), torch.stack(auto.params)
+    assert (a - b).abs().max().item() <= TOL
+    init = torch.stack(simulate(dataclasses.replace(cfg, steps=0)).params)
+    assert (b - init).abs().max() > 0.05 and auto.summary["final_accuracy"] > 0.5
+    for key in ("sim_time_s", "bytes_sent", "bytes_intra", "bytes_inter", "missing_neighbors", "steps",
+                "messages_lost", "rejected"):
+        assert per.summary[key] == auto.summary[key], key
+    assert per.summary["bytes_sent"] > 0
+    # the same evaluation points, at the same virtual times, with the same byte counts
+    assert len(per.history) == len(auto.history) >= 5
+    for x, y in zip(per.history, auto.history):
+        for key in ("time", "step", "bytes_sent", "bytes_intra", "nodes_up"):
+            assert x[key] == y[key], key
+        for key in ("loss", "train_loss", "mean_node_loss", "consensus_distance"):
+            assert x[key] == pytest.approx(y[key], rel=1e-3, abs=1e-6), key
+
+
+def _counts(sim):
+    """What the event loop keeps per node and per link, for comparing engines at a cut."""
+    s = sim.sim
+    nodes = s.nodes
+    return dict(now=s.now, steps_done=s.steps_done, sent=list(s.bytes_sent), received=list(s.bytes_received),
+                seq=[n.seq for n in nodes], rounds=[n.round for n in nodes], steps=[n.step for n in nodes],
+                mixed=[n.mix_totals.mixed for n in nodes], finished=list(s.finished),
+                by_class=dict(s.network.bytes_by_class), messages=dict(s.network.messages_by_class),
+                busy=dict(s.network.busy_until))
+
+
+def _rows(sim):
+    b = sim.batched
+    return b.matrix[b.row_of]
+
+
+@pytest.mark.parametrize("topology,period", [("exponential", 1), ("one-peer-exponential", 2)])
+def test_lockstep_matches_the_event_loop_at_every_cut(topology, period):
+    """Over 128 nodes, message headers differ in size by sender, so nodes mix nanoseconds
+    apart; cuts between phases and inside them (some nodes mixed, some not) must see what the
+    event loop sees: the same clock, counters, bytes and parameters. (A smooth model: with
+    ReLU, a pre-activation within rounding of zero flips a gradient, and one row would differ
+    by ~1e-3 after a rounding-sized difference; that is the float tolerance, not the engine.)"""
+    task = SyntheticTask(dim=16, samples=2000, test_samples=200,
+                         model_fn=lambda: nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 10)))
+    cfg = SimConfig(nodes=260, topology=topology, period=period, task=task, steps=140, seed=3, eval_every=20)
+    ev = Simulation(dataclasses.replace(cfg, engine="batched"))
+    ls = Simulation(dataclasses.replace(cfg, engine="lockstep"))
+    assert ls.engine == "lockstep" and ev.engine == "batched"
+    # cuts inside phases: half way through the events of a few delivery and step phases
+    found: dict[bool, list[float]] = {True: [], False: []}  # delivery phases, step-end phases
+    for ph in Lockstep(Simulation(dataclasses.replace(cfg, engine="batched")).sim)._plan():
+        if ph.times[0] < ph.times[-1] and len(found[ph.kind == DELIVER]) < 2:
+            found[ph.kind == DELIVER].append(float(ph.times[len(ph.times) // 2]))
+    assert len(found[True]) == len(found[False]) == 2
+    inside = found[True] + found[False]
+    cuts = sorted([0.0, *(k * 0.037 for k in range(1, 45)), *inside])
+    split = 0
+    for until in cuts:
+        ev.run(until)
+        ls.run(until)
+        a, b = _counts(ev), _counts(ls)
+        assert a == b, until
+        assert (_rows(ev) - _rows(ls)).abs().max().item() <= TOL, until
+        split += len(set(a["rounds"])) > 1
+    assert split >= 2  # some cuts fell between two nodes' mixing of one round
+    x, y = ev.result(), ls.result()
+    assert x.summary["sim_time_s"] == y.summary["sim_time_s"] and x.summary["bytes_sent"] == y.summary["bytes_sent"]
+    assert [h["time"] for h in x.history] == [h["time"] for h in y.history]
+    assert [h["bytes_sent"] for h in x.history] == [h["bytes_sent"] for h in y.history]
+    ev.run(100.0)
+    ls.run(100.0)  # after the end, only wait timers are left: the clock moves as the event loop's does
+    assert _counts(ev) == _counts(ls)
+
+
+# each condition alone makes an otherwise lockstep run fall back, with its reason
+BASE = dict(nodes=6, task="synthetic", steps=12, topology="ring")
+REFUSALS = {
+    "async": (dict(asynchronous=True), "AsyncGossipRule"),
+    "choco-topk": (dict(compression="topk:0.1"), "ChocoRule"),
+    "push-sum": (dict(algorithm="push-sum"), "PushSumRule"),
+    "fp16": (dict(algorithm="naive", compression="fp16"), "compresses with fp16"),
+    "clip": (dict(clip=1.0), "clipped gossip"),
+    "overlap": (dict(overlap=True), "overlap"),
+    "outer": (dict(outer="nesterov", period=2), "OuterRule"),
+    "byzantine": (dict(byzantine="2=10"), "node 2 mixes with ScaledSender"),
+    "link-policy": (dict(link_policy="inter:period=2"), "link policies"),
+    "faults": (dict(faults=["crash:1@0.05"]), "faults"),
+    "lognormal": (dict(compute="lognormal:0.01,0.3"), "lognormal compute model"),
+    "slow": (dict(slow="3=2"), "slow nodes"),
+    "jitter": (dict(link="latency=1ms,jitter=1ms"), "intra links have jitter"),
+    "loss": (dict(link="loss=0.01"), "intra links have loss"),
+    "timeout": (dict(timeout=1e-5), "would wait past its timeout"),
+    "interleaved": (dict(nodes=8, topology="hierarchical:4,4", inter_link="latency=20ms"),
+                    "rounds interleave"),
+}
+
+
+def test_the_base_run_is_lockstep():
+    sim = Simulation(SimConfig(**BASE))
+    assert sim.engine == "lockstep" and sim.engine_note == "lockstep"
+    # two datacenters whose links are as fast as the LAN's still step together
+    assert Simulation(SimConfig(**{**BASE, "nodes": 8, "topology": "hierarchical:4,4", "inter_link": "lan"})).engine \
+        == "lockstep"
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_each_disqualifying_condition_falls_back_and_says_why(case):
+    change, needle = REFUSALS[case]
+    cfg = SimConfig(**{**BASE, **change})
+    auto = Simulation(cfg)
+    assert auto.engine == "batched" and auto.sim.lockstep is None
+    assert auto.engine_note.startswith("batched; not in lockstep: ") and needle in auto.engine_note
+    with pytest.raises(ValueError, match="engine 'lockstep' cannot run this simulation: .*" + needle):
+        Simulation(dataclasses.replace(cfg, engine="lockstep"))
+    assert Simulation(dataclasses.replace(cfg, engine="per-node")).engine == "per-node"
+    result = auto.run().result()
+    assert result.summary["engine"] == "batched" and needle in result.summary["engine_note"]
+
+
+def test_lockstep_needs_batched_steps():
+    class Unbatchable(SyntheticTask):
+        batchable = False
+
+    cfg = SimConfig(nodes=3, task=Unbatchable(samples=200, test_samples=50), steps=5)
+    assert Simulation(cfg).engine == "per-node"
+    with pytest.raises(ValueError, match="engine 'lockstep' cannot run this simulation: task 'synthetic'"):
+        Simulation(dataclasses.replace(cfg, engine="lockstep"))
