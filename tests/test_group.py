@@ -270,8 +270,8 @@ def _member(gid: str, groups: list[str], values: torch.Tensor, **kwargs):
     return model, view, GroupMember(group, view, gid, groups, **kwargs)
 
 
-def _both(fa, fb, limit: float = 60.0) -> None:
-    """Run two members' collective steps at once (each group of one is its own thread here)."""
+def _both(*calls, limit: float = 60.0) -> None:
+    """Run members' collective steps at once (each group of one is its own thread here)."""
     import threading
 
     errors: list[BaseException] = []
@@ -282,7 +282,7 @@ def _both(fa, fb, limit: float = 60.0) -> None:
         except BaseException as e:  # reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=call, args=(f,), daemon=True) for f in (fa, fb)]
+    threads = [threading.Thread(target=call, args=(f,), daemon=True) for f in calls]
     for t in threads:
         t.start()
     for t in threads:
@@ -375,3 +375,31 @@ def test_the_examples_in_the_docstrings_hold() -> None:
 
     result = doctest.testmod(gossip.group)
     assert result.attempted >= 5 and result.failed == 0
+
+
+def test_rank_0s_decision_sets_the_members_and_the_round_and_can_skip(monkeypatch) -> None:
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    ids = sorted(f"127.0.0.1:{free_base(1)}" for _ in range(3))
+    n = 64 * 32 + 32
+    made = [_member(g, ids, torch.full((n,), float(3 * i))) for i, g in enumerate(ids)]
+    views = [v for _, v, _ in made]
+    a, b, c = (m for _, _, m in made)
+    with a, b, c:
+        _both(*(lambda m=m: m.connect(30) for m in (a, b, c)))
+        _both(*(lambda m=m: m.exchange(1) for m in (a, b, c)))  # a ring of three: everyone's mean
+        assert all(torch.allclose(v.flat, torch.full((n,), 3.0)) for v in views)
+        for v, value in zip(views, (0.0, 10.0, 100.0)):
+            v.flat.fill_(value)
+        pair = Decision(4, (ids[0], ids[1]))  # rank 0 of a and b: c has left; round 4
+        reports = {}
+
+        def run(m, d, key):
+            reports[key] = m.exchange(2, d)
+
+        _both(lambda: run(a, pair, "a"), lambda: run(b, pair, "b"), lambda: run(c, Decision(4, tuple(ids), "skip"), "c"))
+        assert torch.allclose(views[0].flat, torch.full((n,), 5.0))  # a and b only: c's 100 stayed out
+        assert torch.allclose(views[1].flat, torch.full((n,), 5.0))
+        assert torch.allclose(views[2].flat, torch.full((n,), 100.0)) and reports["c"] is None
+        assert reports["a"].mixed == 1 and reports["a"].missing == 0
+        assert (a.node.round, a.members, c.node.round) == (5, pair.members, 1)
