@@ -1,12 +1,14 @@
 """Simulator scale: 1024 nodes x 1000 steps of the digits MLP, and the most nodes that fit in 8 GiB.
 
-Two measurements of what ``gossip-sim --task digits --topology ring --engine
-batched`` runs (gossip.Simulation with its default evaluations):
+Two measurements of what ``gossip-sim --task digits --topology ring`` runs
+(gossip.Simulation with its default evaluations; engine ``auto``, which is
+``lockstep`` for this run):
 
   time    N nodes x S local steps, wall seconds from building the nodes to the
-          final summary; the per-node engine's rate is measured alongside on
-          the same nodes for a few steps (``--per-node-steps``), so the speed-up
-          is side by side;
+          final summary (``--engine``, default lockstep); the per-node, batched
+          and lockstep engines' rates are measured alongside on the same nodes for
+          a few steps (``--per-node-steps``), interleaved, so the speed-ups are
+          side by side;
   memory  the peak resident memory of a fresh process that builds M nodes and
           runs a few steps, at two sizes; per-node memory is the slope between
           them, and ``max_nodes_8gib`` the node count whose fitted peak reaches
@@ -53,35 +55,43 @@ def memory_task(nodes: int) -> str:
     return f"synthetic:dim=64,classes=10,samples={2 * nodes},test_samples=360"
 
 
-def time_run(nodes: int, steps: int, topology: str) -> dict:
-    """Wall seconds of one batched simulation, setup to summary."""
+def time_run(nodes: int, steps: int, topology: str, engine: str = "lockstep") -> dict:
+    """Wall seconds of one simulation, setup to summary."""
     from gossip.api import Simulation
 
     t0 = time.perf_counter()
-    sim = Simulation(config(nodes, steps, "batched", topology))
+    sim = Simulation(config(nodes, steps, engine, topology))
     t1 = time.perf_counter()
     result = sim.run().result()
     t2 = time.perf_counter()
-    assert result.summary["engine"] == "batched" and result.summary["steps"] == steps
+    assert result.summary["engine"] == engine and result.summary["steps"] == steps
     return {"wall_s": t2 - t0, "setup_s": t1 - t0, "accuracy": result.summary["final_accuracy"],
             "flushes": sim.batched.flushes}
 
 
-def per_node_rate(nodes: int, steps: int, topology: str) -> tuple[float, float]:
-    """Seconds per mean local step of the per-node and the batched engine, run
-    interleaved in chunks of one step on the same configuration (setup excluded)."""
+ENGINES = ("per-node", "batched", "lockstep")
+
+
+def engine_rates(nodes: int, steps: int, topology: str) -> dict[str, float]:
+    """Seconds per mean local step of each engine, run interleaved in chunks of one
+    step on the same configuration (setup excluded)."""
     from gossip.api import Simulation
 
     # one evaluation, at the end: the default (every 1/20 of a short run) would time the evaluations
-    sims = {e: Simulation(config(nodes, steps, e, topology, eval_every=steps)) for e in ("per-node", "batched")}
+    sims = {e: Simulation(config(nodes, steps, e, topology, eval_every=steps)) for e in ENGINES}
     spent = dict.fromkeys(sims, 0.0)
-    step_time = 0.01  # the default compute model: fixed 10 ms per step
+    step_time = 0.0101  # the default compute model's 10 ms per step, and a LAN round trip
     for k in range(1, steps + 1):
         for e, sim in sims.items():
             t0 = time.perf_counter()
             sim.run(until=k * step_time)
             spent[e] += time.perf_counter() - t0
-    return spent["per-node"] / steps, spent["batched"] / steps
+    for e, sim in sims.items():
+        t0 = time.perf_counter()
+        sim.run()  # what is left of the last round
+        spent[e] += time.perf_counter() - t0
+    assert len({sim.sim.now for sim in sims.values()}) == 1, "the engines disagree on the virtual time"
+    return {e: spent[e] / steps for e in ENGINES}
 
 
 def peak_rss(nodes: int, steps: int, topology: str) -> int:
@@ -89,8 +99,8 @@ def peak_rss(nodes: int, steps: int, topology: str) -> int:
     code = ("import resource, sys, torch; sys.path[:0] = [%r, %r]; torch.set_num_threads(1)\n"
             "from sim_scale import config, memory_task\n"
             "from gossip.api import Simulation\n"
-            "r = Simulation(config(%d, %d, 'batched', %r, memory_task(%d))).run().result()\n"
-            "assert r.summary['engine'] == 'batched'\n"
+            "r = Simulation(config(%d, %d, 'lockstep', %r, memory_task(%d))).run().result()\n"
+            "assert r.summary['engine'] == 'lockstep'\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n") % (str(ROOT), str(ROOT / "benchmarks"), nodes, steps, topology, nodes)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1]) * 1024  # Linux reports KiB
@@ -117,12 +127,14 @@ def main() -> None:
     torch.set_num_threads(1)  # the simulator's default (SimConfig.threads)
     load = os.getloadavg()[0]
     run = time_run(args.nodes, args.steps, args.topology)
-    print(f"{args.nodes} nodes x {args.steps} steps ({args.topology}, batched): {run['wall_s']:.1f} s wall "
+    print(f"{args.nodes} nodes x {args.steps} steps ({args.topology}, lockstep): {run['wall_s']:.1f} s wall "
           f"({run['setup_s']:.1f} s setup, {run['flushes']} vectorised steps), accuracy {run['accuracy']:.3f}",
           flush=True)
-    per_node, batched = per_node_rate(args.nodes, args.per_node_steps, args.topology)
-    print(f"per mean step, {args.per_node_steps} steps interleaved: per-node engine {per_node * 1e3:.0f} ms, "
-          f"batched {batched * 1e3:.0f} ms ({per_node / batched:.1f}x)", flush=True)
+    rates = engine_rates(args.nodes, args.per_node_steps, args.topology)
+    per_node, batched, lockstep = (rates[e] for e in ENGINES)
+    print(f"per mean step of all nodes, {args.per_node_steps} steps interleaved: per-node engine "
+          f"{per_node * 1e3:.0f} ms, batched {batched * 1e3:.0f} ms, lockstep {lockstep * 1e3:.0f} ms "
+          f"(lockstep {per_node / lockstep:.1f}x per-node, {batched / lockstep:.1f}x batched)", flush=True)
     peaks = [peak_rss(n, args.memory_steps, args.topology) for n in sizes]
     per_node_bytes = (peaks[1] - peaks[0]) / (sizes[1] - sizes[0])
     if per_node_bytes <= 0:
@@ -141,10 +153,11 @@ def main() -> None:
         "final_accuracy": round(run["accuracy"], 4),
         "per_node_ms_per_step": round(per_node * 1e3, 2),
         "batched_ms_per_step": round(batched * 1e3, 2),
+        "lockstep_ms_per_step": round(lockstep * 1e3, 2),
         "kib_per_node": round(per_node_bytes / 1024, 2),
         "memory_sizes": sizes,
         "peak_gib": [round(p / GIB, 3) for p in peaks],
-        "load_avg_1min": round(load, 2),
+        "load_avg_1min": [round(load, 2), round(os.getloadavg()[0], 2)],  # at the start and the end
     }
     if args.verify:
         peak = peak_rss(max_nodes, args.memory_steps, args.topology)

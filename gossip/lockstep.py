@@ -45,6 +45,7 @@ exactly. What it does not keep: messages themselves (a node's ``inbox`` and
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -397,7 +398,9 @@ class Lockstep:
             index = torch.as_tensor(np.stack([rows[g.w_rows], rows[g.w_cols]]))
             values = torch.tensor(g.w_vals, dtype=matrix.dtype)
             W = torch.sparse_coo_tensor(index, values, (self.n, self.n), check_invariants=True).coalesce()
-            W = self._w[graph] = W.to_sparse_csr().to(matrix.device)
+            with warnings.catch_warnings():  # "sparse CSR support is in beta": the product below is all it does
+                warnings.simplefilter("ignore", UserWarning)
+                W = self._w[graph] = W.to_sparse_csr().to(matrix.device)
         return W
 
     def _sync(self) -> None:
