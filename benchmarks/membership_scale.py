@@ -204,8 +204,10 @@ def main(argv: list[str] | None = None) -> dict:
                        "detect_s": {n: round(r["a2a_max"], 3) for n, r in rows.items()},
                        "detect_median_s": {n: round(r["a2a_median"], 3) for n, r in rows.items()}},
         "crashes": args.crashes * args.seeds, "latency_s": args.latency, "loss": args.loss,
+        # the targets: a death known to all within 5 s at every size, <= 10 messages per
+        # node per second at 1024 nodes (checked when 1024 was run)
         "targets_met": all(r["detect_max"] <= 5.0 for r in rows.values())
-        and all(r["msgs"] <= 10.0 for n, r in rows.items() if n >= 1024 or n == max(rows)),
+        and all(r["msgs"] <= 10.0 for n, r in rows.items() if n == 1024),
     }
     print(json.dumps(result))
     return result
