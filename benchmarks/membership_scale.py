@@ -27,6 +27,7 @@ Prints a table and ends with one JSON line:
 
     python benchmarks/membership_scale.py                      # 16, 64, 256, 1024 nodes
     python benchmarks/membership_scale.py --sizes 16,64 --seeds 1 --crashes 2 --loss 0.1
+    python benchmarks/membership_scale.py --gossip-interval 0.2   # other SWIM options
 """
 
 from __future__ import annotations
@@ -165,9 +166,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=float, default=4.0)
     ap.add_argument("--pause", type=float, default=2.0, help="seconds after a crash is known before the next")
     ap.add_argument("--give-up", type=float, default=30.0, help="a crash not known to all after this counts as inf")
+    ap.add_argument("--gossip-interval", type=float, default=SwimOptions.gossip_interval,
+                    help="SwimOptions.gossip_interval (seconds)")
+    ap.add_argument("--suspicion-mult", type=float, default=SwimOptions.suspicion_mult,
+                    help="SwimOptions.suspicion_mult")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    options = SwimOptions()
+    options = SwimOptions(gossip_interval=args.gossip_interval, suspicion_mult=args.suspicion_mult)
     rows = {}
     print(f"SWIM defaults: period {options.period} s, probe_timeout {options.probe_timeout} s, k={options.indirect}, "
           f"suspicion {options.suspicion_mult} x max(1, log10 n) x period, gossip {options.gossip_nodes} nodes "
