@@ -29,6 +29,11 @@ What it does, per protocol period (``period``, default 0.5 s, the project's hear
   update goes out ``retransmit_mult * ceil(log10(n + 1))`` times from each node
   that adopted it (memberlist's limit), the least sent first. With no news a node
   sends one ping and about one ack per period, whatever the cluster size.
+- **Corrections**: a node lists the members it holds suspect in its messages
+  (when there is room), and a node that receives news older than its own record
+  answers with the record. So a node that missed a refutation cannot time a
+  live member out, and one that missed a death learns it from the next node it
+  talks to, after the retransmissions have stopped.
 - **Rejoin after a partition**: every ``reconnect_interval`` a node pings one
   member it declared dead (the most recent 64). Each message to a member this
   node holds suspect or dead carries that verdict first (memberlist's "buddy
@@ -322,7 +327,8 @@ class Swim:
         return len(self._live) + 1
 
     def take_events(self) -> list[MemberEvent]:
-        """The member events since the last call, in the order they happened."""
+        """The member events since the last call, in the order they happened (they are
+        kept until taken: call it after every tick and receive)."""
         out, self._events = self._events, []
         return out
 
@@ -447,8 +453,7 @@ class Swim:
             if not self.left:
                 out.append(self._send(sender, "ack", seq=seq, target=self.id, first=fix))
                 replied = True
-        elif op == "ping-req":
-            assert target is not None
+        elif op == "ping-req" and target is not None:  # (_parse guarantees a target)
             if target == self.id:
                 out.append(self._send(sender, "ack", seq=seq, target=self.id, first=fix))
                 replied = True
