@@ -476,3 +476,11 @@ def test_membership_scale_benchmark_runs_and_ends_with_its_json_line(capsys):
         assert result["all_to_all"]["msgs_per_node_s"][n] == (int(n) - 1) / 0.5
         assert 3.5 < result["steady_msgs_per_node_s"][n] < 4.5
     assert result["crashes"] == 2
+
+
+def test_fields_of_the_control_plane_ride_along_unread():
+    node = Swim("a", 1, random.Random(0), members=[("b", 1)])
+    out = node.receive(SwimMessage("a", "b", {"op": "ping", "inc": 1, "seq": 9, "status": "training",
+                                              "digest": "x" * 40, "round": 12}), 1.0)
+    assert [(m.to, m.op, m.fields["seq"]) for m in out] == [("b", "ack", 9)]
+    assert not node.rejected and not node.ignored
