@@ -403,3 +403,56 @@ def test_rank_0s_decision_sets_the_members_and_the_round_and_can_skip(monkeypatc
         assert torch.allclose(views[2].flat, torch.full((n,), 100.0)) and reports["c"] is None
         assert reports["a"].mixed == 1 and reports["a"].missing == 0
         assert (a.node.round, a.members, c.node.round) == (5, pair.members, 1)
+
+
+def test_a_compressed_rule_on_each_shard_is_the_rule_on_the_whole_model(monkeypatch) -> None:
+    """CHOCO with int8 per shard (each rank its own connection) against CHOCO on whole
+    models: with shard boundaries on the codec's block boundaries they agree exactly."""
+    from gossip.group import Group, GroupEnv
+    from gossip.group_member import GroupMember
+    from gossip.mixing.settings import MixingSettings
+
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    mixing = MixingSettings(compression="int8")  # blocks of 256 values; 512 per shard
+    n, k = 1024, 2
+    gen = torch.Generator().manual_seed(0)
+    start = {g: torch.randn(n, generator=gen) for g in "ab"}
+    steps = [{g: torch.randn(n, generator=gen) * 0.1 for g in "ab"} for _ in range(3)]
+
+    def build(size: int) -> dict:
+        ids = {g: f"127.0.0.1:{free_base(size)}" for g in "ab"}
+        members = {}
+        for g in "ab":
+            for r in range(size):
+                group = Group(GroupEnv(rank=r, size=size), "ddp", torch.device("cpu"), None)
+                _, view = group.wrap(torch.nn.Linear(256, 4, bias=False))
+                with torch.no_grad():
+                    view.state.flat.copy_(start[g])
+                members[g, r] = GroupMember(group, view, ids[g], sorted(ids.values()), mixing=mixing)
+        return members
+
+    def run(members: dict) -> dict:
+        for m in members.values():
+            m.start()
+        try:
+            _both(*(lambda m=m: m.connect(30) for m in members.values()))
+            for i, delta in enumerate(steps):
+                for (g, _), m in members.items():  # "a local step": the same change on every rank's replica
+                    with torch.no_grad():
+                        m.view.state.flat.add_(delta[g])
+                # no process group links these ranks here: each is handed rank 0's decision itself
+                _both(*(lambda m=m, i=i: m.exchange(i + 1, Decision(i, m.members)) for m in members.values()))
+        finally:
+            for m in members.values():
+                m.close()
+        return members
+
+    whole, sharded = run(build(1)), run(build(k))
+    for g in "ab":
+        full = whole[g, 0].view.flat
+        joined = torch.cat([sharded[g, r].view.flat for r in range(k)])  # rank r's slice is r's to mix
+        assert torch.equal(joined, full)
+        assert not torch.allclose(full, start[g] + sum(d[g] for d in steps))  # it mixed
+        sizes = [sharded[g, r].sent_sizes for r in range(k)]
+        assert all(len(s) == 3 and max(s) < max(whole[g, 0].sent_sizes) * 0.6 for s in sizes)
