@@ -12,9 +12,15 @@ diloco                     complete graph (the all-reduce reference), outer Nest
 gossip-diloco-ring         ring, outer Nesterov
 gossip-diloco-1peer        one-peer-exponential (one peer per round), outer Nesterov
 noloco-1peer               one-peer-exponential, NoLoCo's outer step
-X+int4, X+topk             the compressed pseudo-gradient forms (CHOCO, error feedback) of
-                           diloco, gossip-diloco-ring and noloco-ring: CHOCO needs a static
-                           graph, so one peer per round has no compressed form
+X+int4, X+topk             the compressed forms through CHOCO (the parameters mixed, error
+                           feedback by CHOCO's public copies) of diloco, gossip-diloco-ring and
+                           noloco-ring: CHOCO needs a static graph, so one peer per round has
+                           no compressed form
+sparseloco+C               complete graph, DiLoCo's outer step on the mix of the compressed
+                           pseudo-gradients with error feedback (exchange=pseudograd): C is
+                           top-5%, top-1% or int4
+streaming-diloco-f4        complete graph, DiLoCo over 4 fragments, one per exchange
+sparseloco+topk1-f4        both: top-1% pseudo-gradients of one fragment in 4 per exchange
 =========================  =====================================================
 
 Columns: final held-out loss (mean over seeds, and the spread max - min), loss over
@@ -53,6 +59,7 @@ from gossip.ddp import allreduce_bytes, ddp_reference  # noqa: E402
 
 DILOCO = "nesterov:lr=0.7,momentum=0.9"
 NOLOCO = "noloco:lr=0.7,momentum=0.5"
+SPARSE = "nesterov:lr=0.7,momentum=0.5,exchange=pseudograd"
 ROWS = {  # name: (topology, outer, compression)
     "localsgd": ("complete", "sgd:lr=1", "none"),
     "diloco": ("complete", DILOCO, "none"),
@@ -65,6 +72,18 @@ ROWS = {  # name: (topology, outer, compression)
     "gossip-diloco-ring+topk": ("ring", DILOCO, "topk:0.05"),
     "noloco-ring+int4": ("ring", NOLOCO, "int4"),
     "noloco-ring+topk": ("ring", NOLOCO, "topk:0.05"),
+    # the compressed pseudo-gradients themselves mixed, with error feedback (exchange=pseudograd;
+    # exact averaging only, so the complete graph): SparseLoCo
+    "sparseloco+topk": ("complete", DILOCO + ",exchange=pseudograd", "topk:0.05"),
+    "sparseloco+topk1": ("complete", DILOCO + ",exchange=pseudograd", "topk:0.01"),
+    "sparseloco+int4": ("complete", DILOCO + ",exchange=pseudograd", "int4"),
+    # the outer momentum chosen for top-k pseudo-gradients on seed 100 (not a reported seed):
+    # with error feedback carrying what top-k holds back, Nesterov 0.9 overshoots
+    "sparseloco-m0.5+topk": ("complete", SPARSE, "topk:0.05"),
+    "sparseloco-m0.5+topk1": ("complete", SPARSE, "topk:0.01"),
+    # Streaming DiLoCo: one of 4 fragments per exchange
+    "streaming-diloco-f4": ("complete", DILOCO + ",fragments=4", "none"),
+    "sparseloco+topk1-f4": ("complete", DILOCO + ",exchange=pseudograd,fragments=4", "topk:0.01"),
 }
 WAN_LATENCY, WAN_BANDWIDTH = 0.05, 100e6 / 8  # seconds, bytes per second
 
@@ -99,7 +118,10 @@ def wan_time_to(history: list[dict], target: float, round_time: float, period: i
 
 
 def run_row(name: str, task, seed: int, nodes: int, period: int, steps: int, step_time: float) -> dict:
-    cfg = gossip.SimConfig(nodes=nodes, task=task, steps=steps, period=period, seed=seed, eval_every=period * 10)
+    # the batched engine (one vectorised step for all 8 replicas; same numbers as per node up to
+    # float rounding) asked for by name: a run that cannot batch fails instead of running 2-3x slower
+    cfg = gossip.SimConfig(nodes=nodes, task=task, steps=steps, period=period, seed=seed, eval_every=period * 10,
+                           engine="batched")
     t0 = time.perf_counter()
     if name == "ddp":
         r = ddp_reference(cfg, fused=True)
@@ -131,12 +153,25 @@ def _messages(spec: str, nodes: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--long", action="store_true", help="H = 50 instead of 10 (100 outer steps either way)")
     parser.add_argument("--outer-steps", type=int, default=100)
     parser.add_argument("--step-time", type=float, default=0.05, help="modelled seconds per inner step (WAN column)")
     parser.add_argument("--rows", default=",".join(["ddp", *ROWS]), help="comma-separated rows to run")
+    parser.add_argument("--cache", default=None, metavar="DIR",
+                        help="keep each row's result (one seed, one form) in DIR and reuse it: rows run in "
+                             "separate invocations then make one table")
+    parser.add_argument("--row", action="append", default=[], metavar="NAME=TOPOLOGY;OUTER;CODEC",
+                        help="one more row, e.g. for choosing outer settings on a seed of their own (repeatable)")
     args = parser.parse_args(argv)
+    for extra in args.row:
+        name, eq, rest = extra.partition("=")
+        fields = rest.split(";")
+        if not eq or len(fields) != 3 or not name.strip():
+            parser.error(f"--row must be NAME=TOPOLOGY;OUTER;CODEC, got {extra!r}")
+        ROWS[name.strip()] = tuple(f.strip() for f in fields)
+        args.rows += f",{name.strip()}"
     period = 50 if args.long else 10
     steps = period * args.outer_steps
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -145,9 +180,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rows must include ddp; unknown: {unknown}")
     task = make_task()
     runs: dict[str, list[dict]] = {r: [] for r in rows}
-    for seed in range(args.seeds):
+    cache = Path(args.cache) if args.cache else None
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for name in rows:
-            res = run_row(name, task, seed, args.nodes, period, steps, args.step_time)
+            spec = ROWS.get(name, "ddp")
+            key = f"{name}-{'-'.join(spec) if name != 'ddp' else 'ddp'}-s{seed}-n{args.nodes}-h{period}-t{steps}-st{args.step_time:g}"
+            key = "".join(c if c.isalnum() or c in "-+.=" else "_" for c in key)
+            path = cache / f"{key}.json" if cache else None
+            if path is not None and path.exists():  # the same row, seed and form: rows are deterministic
+                res = json.loads(path.read_text())
+            else:
+                res = run_row(name, task, seed, args.nodes, period, steps, args.step_time)
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(json.dumps(res))
             runs[name].append(res)
             print(f"  seed {seed} {name:26s} loss {res['loss']:.4f}  ({res['wall']:.0f} s)", file=sys.stderr, flush=True)
 
@@ -176,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     fastest = [t["wan_time"] for n, t in table.items() if n != "ddp" and t["wan_time"] is not None]
     summary = {
         "form": "long" if args.long else "default", "period": period, "outer_steps": args.outer_steps,
-        "seeds": args.seeds, "nodes": args.nodes, "step_time": args.step_time,
+        "seeds": args.seeds, "first_seed": args.first_seed, "nodes": args.nodes, "step_time": args.step_time,
         "diloco_loss_over_ddp": ratio("diloco", "ddp"),
         "localsgd_loss_over_diloco": ratio("localsgd", "diloco"),
         "gossip_diloco_loss_over_diloco": ratio("gossip-diloco-1peer", "diloco"),

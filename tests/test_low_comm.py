@@ -40,3 +40,21 @@ def test_tiny_run_prints_its_figures(capsys):
     assert rows["ddp"]["bytes_per_node"] > rows["diloco"]["bytes_per_node"] > rows["gossip-diloco-1peer"]["bytes_per_node"]
     assert set(out["targets"]) == {"diloco_within_2pct_of_ddp", "gossip_1peer_within_1pct_of_diloco",
                                    "compressed_within_2pct_of_ddp_at_500x_fewer_bytes", "wan_time_10x_less_than_ddp"}
+
+
+def test_cached_rows_make_one_table_without_running_again(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("examples.language_model")
+    argv = ["--seeds", "1", "--outer-steps", "2", "--cache", str(tmp_path), "--rows", "ddp",
+            "--row", "pg=complete;nesterov:lr=0.7,momentum=0.5,exchange=pseudograd;topk:0.05"]
+    assert low_comm.main(argv) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+    def no_run(*a, **k):
+        raise AssertionError("a cached row ran again")
+
+    monkeypatch.setattr(low_comm, "run_row", no_run)
+    assert low_comm.main(argv) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["rows"] == first["rows"] and first["rows"]["pg"]["bytes_per_node"] < first["rows"]["ddp"]["bytes_per_node"]
+    assert low_comm.ROWS["pg"] == ("complete", "nesterov:lr=0.7,momentum=0.5,exchange=pseudograd", "topk:0.05")
