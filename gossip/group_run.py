@@ -13,6 +13,9 @@ steps every local step (DDP or FSDP), and every ``--period`` steps rank 0 decide
 a synchronous round for the whole group and each rank mixes its shard with rank r
 of the neighbour groups. ``--out DIR`` writes each rank's figures
 (``rank-PORT-R.json``) and the group's final parameters (``params-PORT.pt``, from rank 0).
+``--checkpoint-dir DIR --checkpoint-every N`` writes sharded checkpoints
+(:mod:`gossip.group_checkpoint`); ``--resume`` starts from the newest one, with
+the same group size.
 
 Bad input (``--intra fsdp`` without torchrun, groups of different sizes) exits 2.
 """
@@ -28,6 +31,7 @@ from typing import Sequence
 import torch
 
 from gossip.group import INTRA, GroupError, start_group
+from gossip.group_checkpoint import latest_group_checkpoint, load_group_checkpoint, save_group_checkpoint
 from gossip.group_member import GroupMember
 from gossip.mixing.settings import MixingSettings
 from gossip.node import init_model
@@ -52,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=60.0, help="how long to wait for the other groups")
     p.add_argument("--emulate", default=None, help="this rank's link, e.g. bandwidth=1Gbit,latency=1ms")
     p.add_argument("--out", default=None, help="directory for each rank's figures and the final parameters")
+    p.add_argument("--checkpoint-dir", default=None, help="where the group writes its sharded checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="local steps between checkpoints (0: none)")
+    p.add_argument("--resume", action="store_true", help="start from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--json", action="store_true", help="rank 0 prints a one-line JSON summary")
     return p
 
@@ -73,9 +80,15 @@ def run(args: argparse.Namespace) -> dict:
         member = GroupMember(group, view, args.group, sorted(groups), mixing=mixing, topology=args.topology,
                              timeout=args.timeout, emulate=args.emulate, seed=args.seed)
         with member:
+            first = 1
+            if args.resume:
+                path = latest_group_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+                if path is None:
+                    raise GroupError(f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir}")
+                first = load_group_checkpoint(path, group, model, optimizer, member, stream) + 1
             member.connect(args.connect_timeout)
             loss = float("nan")
-            for step in range(1, args.steps + 1):
+            for step in range(first, args.steps + 1):
                 optimizer.zero_grad(set_to_none=True)
                 out = task.loss(model, stream.next())
                 out.backward()
@@ -85,6 +98,8 @@ def run(args: argparse.Namespace) -> dict:
                     member.exchange(step)
                     if not view.is_bound():
                         raise RuntimeError("the model's parameters no longer live in the gossip shard")
+                if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
+                    save_group_checkpoint(args.checkpoint_dir, step, group, model, optimizer, member, stream)
             summary = member.summary()
             group.barrier()  # every rank's last round is mixed before the group says goodbye
         summary.update(loss=loss, steps=args.steps, intra=args.intra, device=str(group.device))

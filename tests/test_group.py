@@ -456,3 +456,31 @@ def test_a_compressed_rule_on_each_shard_is_the_rule_on_the_whole_model(monkeypa
         assert not torch.allclose(full, start[g] + sum(d[g] for d in steps))  # it mixed
         sizes = [sharded[g, r].sent_sizes for r in range(k)]
         assert all(len(s) == 3 and max(s) < max(whole[g, 0].sent_sizes) * 0.6 for s in sizes)
+
+
+def test_a_group_resumes_from_its_sharded_checkpoint_where_it_left_off(tmp_path: Path) -> None:
+    k = 2
+    ck = tmp_path / "ck"
+    a = f"127.0.0.1:{free_base(k)}"
+    port = a.rpartition(":")[2]
+    common = ["--intra", "fsdp", "--steps", "4", "--period", "1", "--checkpoint-dir", str(ck)]
+    with Ranks(tmp_path) as ranks:
+        ranks.group(k, a, [a], *common, "--checkpoint-every", "2")
+        codes = ranks.wait()
+        assert all(c == 0 for c in codes.values()), {n: ranks.err(n)[-2000:] for n in codes}
+    straight = torch.load(tmp_path / f"params-{port}.pt")
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000004"]  # no .tmp left
+    import shutil
+
+    shutil.rmtree(ck / "step-00000004")
+    with Ranks(tmp_path) as ranks:  # the same group again, from step 2
+        ranks.group(k, a, [a], *common, "--resume")
+        codes = ranks.wait()
+        assert all(c == 0 for c in codes.values()), {n: ranks.err(n)[-2000:] for n in codes}
+    resumed = torch.load(tmp_path / f"params-{port}.pt")
+    assert _max_diff(resumed, straight) == 0.0  # the optimizer's momentum and the data position came back too
+    with Ranks(tmp_path) as ranks:  # another group size: refused, naming both
+        ranks.group(1, a, [a], *common, "--resume")
+        codes = ranks.wait()
+        assert list(codes.values()) == [2]
+        assert "written by a group of 2 ranks; this group has 1" in ranks.err(f"{port}-0")
