@@ -57,7 +57,7 @@ from gossip.node import resolve_device
 from gossip.state import FlatState
 
 __all__ = ["INTRA", "VERDICTS", "GroupEnv", "GroupError", "GroupSizeError", "Group", "Decision", "ShardView",
-           "FsdpShards", "ReplicaSlice", "group_env", "start_group", "agree", "check_group_sizes", "rank_address"]
+           "FsdpShards", "ReplicaSlice", "group_env", "start_group", "agree", "check_group_sizes", "rank_address", "members_at"]
 
 log = logging.getLogger("gossip.group")
 
