@@ -299,6 +299,20 @@ class GroupMember:
         t = node.mix_totals
         return MixReport(t.mixed - before.mixed, t.missing - before.missing, t.late - before.late)
 
+    def finish(self) -> MixReport:
+        """Mix the rounds still in flight (with ``overlap``, the last round's messages are
+        mixed at the next exchange, and there is none after the last; a collective)."""
+        node = self.node
+        assert node is not None
+        before = node.mix_totals.mixed
+        pending = [ch for ch in node.channels if ch.pending is not None]
+        for ch in pending:
+            self._drive(node.complete(ch))
+        if pending:
+            self.view.after_mix()
+            node.last_from.clear()
+        return MixReport(node.mix_totals.mixed - before)
+
     def _drive(self, program: Any) -> None:
         """Advance one exchange of the node program with the wall clock."""
         try:

@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--period", type=int, default=1)
     p.add_argument("--compression", default="none")
+    p.add_argument("--overlap", action="store_true", help="a round's messages travel during the next local steps")
     p.add_argument("--topology", default="ring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30.0, help="synchronous round timeout, seconds")
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> dict:
     groups = tuple(g.strip() for g in args.groups.split(",") if g.strip())
     if args.group not in groups:
         raise GroupError(f"--group {args.group} is not in --groups {args.groups}")
-    mixing = MixingSettings(compression=args.compression, period=args.period)
+    mixing = MixingSettings(compression=args.compression, period=args.period, overlap=args.overlap)
     group = start_group(args.intra, args.device)
     try:
         task = get_task(args.task)
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> dict:
                         raise RuntimeError("the model's parameters no longer live in the gossip shard")
                 if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
                     save_group_checkpoint(args.checkpoint_dir, step, group, model, optimizer, member, stream)
+            member.finish()  # with --overlap, the last round is still in flight
             summary = member.summary()
             group.barrier()  # every rank's last round is mixed before the group says goodbye
         summary.update(loss=loss, steps=args.steps, intra=args.intra, device=str(group.device))

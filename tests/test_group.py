@@ -492,3 +492,28 @@ def test_a_group_resumes_from_its_sharded_checkpoint_where_it_left_off(tmp_path:
         other = Group(GroupEnv(size=size), intra, torch.device("cpu"), None)
         with pytest.raises(GroupError, match=words):  # refused before anything is loaded
             load_group_checkpoint(latest, other, None, None, None)
+
+
+def test_with_overlap_a_round_is_mixed_at_the_next_exchange_and_the_last_at_finish(monkeypatch) -> None:
+    from gossip.mixing.settings import MixingSettings
+
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    a, b = sorted(f"127.0.0.1:{free_base(1)}" for _ in range(2))
+    n = 64 * 32 + 32
+    overlap = MixingSettings(overlap=True)
+    _, va, ma = _member(a, [a, b], torch.zeros(n), mixing=overlap)
+    _, vb, mb = _member(b, [a, b], torch.full((n,), 4.0), mixing=overlap)
+    with ma, mb:
+        _both(lambda: ma.connect(30), lambda: mb.connect(30))
+        _both(lambda: ma.exchange(1), lambda: mb.exchange(1))
+        assert float(va.flat.max()) == 0.0 and ma.node.mix_totals.mixed == 0  # still in flight
+        with torch.no_grad():
+            va.flat.add_(1.0)  # a local step while round 0 travels
+        done: dict = {}
+        _both(lambda: done.setdefault("a", ma.finish()), lambda: done.setdefault("b", mb.finish()))
+        assert done["a"].mixed == 1 and done["b"].mixed == 1
+        # x += w (x_j - sent): the local step is kept, the correction is round 0's
+        assert torch.allclose(va.flat, torch.full((n,), 1.0 + 0.5 * 4.0))
+        assert torch.allclose(vb.flat, torch.full((n,), 4.0 + 0.5 * (0.0 - 4.0)))
+        assert ma.finish().mixed == 0  # nothing left
