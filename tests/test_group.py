@@ -408,16 +408,20 @@ def test_rank_0s_decision_sets_the_members_and_the_round_and_can_skip(monkeypatc
         assert (a.node.round, a.members, c.node.round) == (5, pair.members, 1)
 
 
-def test_a_compressed_rule_on_each_shard_is_the_rule_on_the_whole_model(monkeypatch) -> None:
-    """CHOCO with int8 per shard (each rank its own connection) against CHOCO on whole
-    models: with shard boundaries on the codec's block boundaries they agree exactly."""
+@pytest.mark.parametrize("options", [{"compression": "int8"}, {"outer": "nesterov:lr=0.7,momentum=0.9"},
+                                     {"compression": "int8", "outer": "nesterov:lr=0.7,momentum=0.9"}])
+def test_a_compressed_rule_or_an_outer_optimizer_on_each_shard_is_the_same_on_the_whole_model(monkeypatch,
+                                                                                             options) -> None:
+    """CHOCO with int8 and DiLoCo's outer Nesterov per shard (each rank its own connection)
+    against the same on whole models: with shard boundaries on the codec's block
+    boundaries they agree exactly."""
     from gossip.group import Group, GroupEnv
     from gossip.group_member import GroupMember
     from gossip.mixing.settings import MixingSettings
 
     for var in TORCHRUN_VARS:
         monkeypatch.delenv(var, raising=False)
-    mixing = MixingSettings(compression="int8")  # blocks of 256 values; 512 per shard
+    mixing = MixingSettings(**options)  # int8: blocks of 256 values; 512 per shard
     n, k = 1024, 2
     gen = torch.Generator().manual_seed(0)
     start = {g: torch.randn(n, generator=gen) for g in "ab"}
@@ -459,6 +463,9 @@ def test_a_compressed_rule_on_each_shard_is_the_rule_on_the_whole_model(monkeypa
         assert not torch.allclose(full, start[g] + sum(d[g] for d in steps))  # it mixed
         sizes = [sharded[g, r].sent_sizes for r in range(k)]
         assert all(len(s) == 3 and max(s) < max(whole[g, 0].sent_sizes) * 0.6 for s in sizes)
+        if "outer" in options:  # the outer optimizer's state is per shard too: its momentum, sliced
+            outer = [sharded[g, r].node.rule for r in range(k)]
+            assert torch.equal(torch.cat([o.momentum for o in outer]), whole[g, 0].node.rule.momentum)
 
 
 def test_a_group_resumes_from_its_sharded_checkpoint_where_it_left_off(tmp_path: Path) -> None:
