@@ -23,13 +23,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gossip import wire
+from gossip.detector import FailureDetector, HeartbeatDetector
 from gossip.membership import Membership, cluster_after, stronger
 from gossip.message import Message
 
-__all__ = ["ControlPlane"]
+__all__ = ["ControlPlane", "ControlFields", "Effects", "parse_control"]
 
 log = logging.getLogger("gossip.control")
 
@@ -60,6 +62,74 @@ def _int_list(x: dict, key: str, n: int) -> list[int] | None:
     return v
 
 
+@dataclass(frozen=True)
+class ControlFields:
+    """The checked fields of a control message's ``x`` map (None: absent)."""
+
+    inc: int
+    status: str
+    dc: str
+    seeding: bool
+    mids: list[str] | None
+    mincs: list[int] | None
+    mdcs: list[str] | None
+    base: list[str] | None
+    jids: list[str] | None
+    jrounds: list[int] | None
+    lids: list[str] | None
+    lrounds: list[int] | None
+    bincs: list[int] | None  # the lives the entries are about (absent or 0: not known)
+    jincs: list[int] | None
+    lincs: list[int] | None
+    digest: str | None
+    reason: Any
+
+
+def parse_control(msg: Message) -> ControlFields:
+    """Check every field a control message may carry; ValueError names a bad one."""
+    x = msg.extra
+    inc = x.get("inc")
+    if not isinstance(inc, int) or isinstance(inc, bool) or inc < 0:
+        raise ValueError("inc")
+    status = x.get("status")
+    if status not in ("waiting", "training", "done"):
+        raise ValueError("status")
+    dc = x.get("dc", "")
+    if not isinstance(dc, str) or len(dc) > 64:
+        raise ValueError("dc")
+    seeding = x.get("seeding", False)
+    if not isinstance(seeding, bool):
+        raise ValueError("seeding")
+    if msg.kind == "bye":
+        return ControlFields(inc, status, dc, seeding, *([None] * 11), None, x.get("reason", "left"))
+    mids = _str_list(x, "mids")
+    mincs = _int_list(x, "mincs", len(mids)) if mids is not None else None
+    mdcs = _str_list(x, "mdcs", min_len=0) if mids is not None else None
+    base = _str_list(x, "base")
+    jids = _str_list(x, "jids")
+    jrounds = _int_list(x, "jrounds", len(jids)) if jids is not None else None
+    lids = _str_list(x, "lids")
+    lrounds = _int_list(x, "lrounds", len(lids)) if lids is not None else None
+    bincs = _int_list(x, "bincs", len(base)) if base is not None and "bincs" in x else None
+    jincs = _int_list(x, "jincs", len(jids)) if jids is not None and "jincs" in x else None
+    lincs = _int_list(x, "lincs", len(lids)) if lids is not None and "lincs" in x else None
+    digest = x.get("digest")
+    return ControlFields(inc, status, dc, seeding, mids, mincs, mdcs, base, jids, jrounds, lids, lrounds, bincs,
+                         jincs, lincs, digest if isinstance(digest, str) else None, x.get("reason"))
+
+
+@dataclass
+class Effects:
+    """What handling one control message decided, for the shell to carry out."""
+
+    sends: list[tuple[str, Message]] = field(default_factory=list)
+    broadcasts: list[Message] = field(default_factory=list)  # to every other member
+    reconnect: list[str] = field(default_factory=list)  # members that came back: open fresh connections
+    # this node, alive and training, must join another cluster as a new life:
+    # (round, by, that cluster's members, merge), see ``excluded`` in ControlPlane
+    verdict: tuple[int, str, set[str], bool] | None = None
+
+
 class ControlPlane:
     """Membership protocol of one peer (I/O thread side).
 
@@ -83,6 +153,8 @@ class ControlPlane:
         halves of a partition that healed, or clusters started apart, meet
     clock : when given, read on every incoming message, so a message is timed when
         it is handled (otherwise ``now`` is the last tick's time)
+    detector : the failure detector (default: :class:`~gossip.detector.HeartbeatDetector`,
+        every member pings every other each ``heartbeat``)
     """
 
     def __init__(self, node_id: str, incarnation: int, fingerprint: str, dc: str, membership: Membership,
@@ -90,7 +162,7 @@ class ControlPlane:
                  progress: Callable[[], tuple[str, int, int]], *, heartbeat: float = 0.5,
                  seeds: tuple[str, ...] = (), reconnect: Callable[[str], None] | None = None,
                  excluded: Callable[[int, str], None] | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, detector: FailureDetector | None = None) -> None:
         self.id, self.incarnation, self.fingerprint, self.dc = node_id, incarnation, fingerprint, dc
         self.m = membership
         self.lock = lock
@@ -116,7 +188,8 @@ class ControlPlane:
         self.last_ping = 0.0
         self.now = 0.0
         self.clock = clock
-        self._last_tick: float | None = None
+        # who is alive: told of every message, asked every tick (see gossip.detector)
+        self.detector: FailureDetector = detector if detector is not None else HeartbeatDetector(membership, heartbeat)
 
     # -- helpers ---------------------------------------------------------------------------
     def reject(self, peer: str, reason: str, detail: str = "", *, count: bool = True) -> None:
@@ -171,7 +244,8 @@ class ControlPlane:
 
     # -- incoming --------------------------------------------------------------------------
     def on_frames(self, ident: bytes, frames: list) -> None:
-        """Decode, check and dispatch one incoming multipart."""
+        """Decode, check and dispatch one incoming multipart (the shell: it carries out
+        the effects that :meth:`handle` returns)."""
         peer = ident.decode(errors="replace")
         if self.clock is not None:
             self.now = self.clock()
@@ -192,187 +266,191 @@ class ControlPlane:
             with self.lock:
                 member = self.m.members.get(peer)
                 if member is not None:
-                    member.last_seen = self.now
+                    self.detector.heard(peer, self.now)
             if member is None:
                 self.reject(peer, "not-member", f"{msg.kind} from a node that is not a member")
                 return
             self.to_node(msg)  # the node thread checks membership, fingerprint, payload
             return
         try:
-            self._control(msg)
+            effects = self.handle(msg, self.now)
         except (ValueError, TypeError, KeyError) as e:
             self.reject(peer, "control", f"bad field {e}")
-
-    def _control(self, msg: Message) -> None:
-        x, peer, now = msg.extra, msg.sender, self.now
-        inc = x.get("inc")
-        if not isinstance(inc, int) or isinstance(inc, bool) or inc < 0:
-            raise ValueError("inc")
-        status = x.get("status")
-        if status not in ("waiting", "training", "done"):
-            raise ValueError("status")
-        dc = x.get("dc", "")
-        if not isinstance(dc, str) or len(dc) > 64:
-            raise ValueError("dc")
-        seeding = x.get("seeding", False)
-        if not isinstance(seeding, bool):
-            raise ValueError("seeding")
-        if msg.kind == "bye":
-            with self.lock:
-                m = self.m.members.get(peer)
-                if m is not None and inc >= m.incarnation:
-                    reason = x.get("reason", "left")
-                    self.m.remove(peer, f"said goodbye ({str(reason)[:200]})", departed=True, now=now)
-                    self.last_change = now
-                if str(x.get("reason", "")).startswith("fingerprint"):
-                    self._conflict(peer, str(x["reason"])[:300])
-            self.seeds.pop(peer, None)
             return
+        self.apply(effects)
+
+    def apply(self, fx: Effects) -> None:
+        """Carry out what handling a message decided."""
+        if fx.verdict is not None and self.excluded is not None:
+            self.excluded(*fx.verdict)
+        for mid in fx.reconnect if self.reconnect is not None else ():
+            # a connection that kept retrying a dead life backs off for seconds: start afresh
+            self.reconnect(mid)
+        for dst, msg in fx.sends:
+            self.send(dst, msg)
+        for msg in fx.broadcasts:
+            self.broadcast(msg)
+
+    def handle(self, msg: Message, now: float) -> Effects:
+        """One control message (hello, members, ping, pong, bye) from ``msg.sender`` at
+        ``now``: updates the member table and returns what to send, whom to
+        reconnect, and any verdict on this node. Raises ValueError (TypeError,
+        KeyError) naming a bad field; then nothing changed."""
+        f = parse_control(msg)
+        peer = msg.sender
+        fx = Effects()
+        if msg.kind == "bye":
+            self._on_bye(peer, f, now)
+            return fx
         if msg.fingerprint != self.fingerprint:
             why = (f"fingerprint mismatch: {peer} has model fingerprint {msg.fingerprint[:32]!r}, this node "
                    f"{self.fingerprint!r}; refusing to mix with it")
             remembered = self._conflict(peer, why)
             self.reject(peer, "fingerprint", why)
             if msg.kind == "hello" and remembered:  # bounded: each answer opens a connection
-                self.send(peer, self._message("bye", reason=why))
+                fx.sends.append((peer, self._message("bye", reason=why)))
             self.seeds.pop(peer, None)
-            return
+            return fx
         self.seeds.pop(peer, None)  # it answered: stop retrying it as a seed
-        mids = _str_list(x, "mids")
-        mincs = _int_list(x, "mincs", len(mids)) if mids is not None else None
-        mdcs = _str_list(x, "mdcs", min_len=0) if mids is not None else None
-        base = _str_list(x, "base")
-        jids = _str_list(x, "jids")
-        jrounds = _int_list(x, "jrounds", len(jids)) if jids is not None else None
-        lids = _str_list(x, "lids")
-        lrounds = _int_list(x, "lrounds", len(lids)) if lids is not None else None
-        # the lives the entries are about (absent or 0: not known)
-        bincs = _int_list(x, "bincs", len(base)) if base is not None and "bincs" in x else None
-        jincs = _int_list(x, "jincs", len(jids)) if jids is not None and "jincs" in x else None
-        lincs = _int_list(x, "lincs", len(lids)) if lids is not None and "lincs" in x else None
-        reply = None
-        merge_into: set[str] | None = None
         with self.lock:
-            before = self.m.version
-            old = self.m.members.get(peer)
-            restarted = old is not None and inc > old.incarnation  # a new life of a node we knew
-            # the peer's cluster (as it will be once its announced changes take effect)
-            theirs = None if base is None else cluster_after(base, jids or (), lids or ())
-            ours = self.m.eventual()
-            # the peer's lists describe another cluster when neither cluster counts the other
-            # node: they change nothing here. A node that waits to join a cluster this node
-            # is not in says so too; its join round there is not one here.
-            # (a new life of a member counts as that member only once its own join is heard)
-            other = theirs is not None and self.m.started and self.id not in theirs \
-                and not (peer in ours and self.m.counts(peer, inc))
-            # another cluster that trains, met by a node that trains: the halves of a
-            # partition that healed meet so (each side announced the other's leaves), and so
-            # do clusters started apart (a seed that answered late). The stronger goes on;
-            # each member of the other joins it as a new life.
-            foreign = other and status == "training" and self.progress()[0] == "training"
-            if foreign and stronger(theirs, ours):  # type: ignore[arg-type]
-                # (its view may still count some of ours: we join its own members)
-                merge_into = theirs - ours  # type: ignore[operator]
-            # while joining another cluster, only its members' lists count
-            lists = not other and (not self.m.target or peer in self.m.target)
-            self.m.heard(peer, inc, now, status=status, round=msg.round, step=msg.progress, dc=dc,
-                         fingerprint=msg.fingerprint)
-            if mids is not None and mincs is not None:
-                self.m.merge(zip(mids, mincs), now)
-                if mdcs is not None and len(mdcs) == len(mids):
-                    for mid, mdc in zip(mids, mdcs):
-                        if mid in self.m.members and not self.m.members[mid].dc:
-                            self.m.members[mid].dc = mdc
-            if lists and base is not None and not self.m.started and status in ("training", "done"):
-                # we learn how the running cluster started; if it started with an earlier
-                # life of ours (it lists another incarnation of us, or our leave), we are
-                # not one of its starters any more but a node that joins
-                listed = dict(zip(mids, mincs)) if mids is not None and mincs is not None else {}
-                former = listed.get(self.id, self.incarnation) != self.incarnation or self.id in (lids or ())
-                if bincs is not None and self.id in base and bincs[base.index(self.id)] not in (0, self.incarnation):
-                    former = True  # it started with an earlier life of ours
-                starters = [(b, i) for b, i in zip(base, bincs or [0] * len(base)) if not (former and b == self.id)]
-                self.m.start([b for b, _ in starters], [i or None for _, i in starters])
-            # leaves before joins: a restarted member's old life leaves before its new one joins
-            if lists and lids is not None and lrounds is not None:
-                rejoining = set(jids or ())
-                for j, r, li in zip(lids, lrounds, lincs or [0] * len(lids)):
-                    if j == self.id:
-                        # a leave not after our own first round, or of another life, is an
-                        # earlier life's, long done
-                        if status != "waiting" and self.progress()[0] == "training" and theirs is not None \
-                                and r > self.m.joins.get(self.id, 0) and li in (0, self.incarnation) \
-                                and len(self.excluded_by) < MAX_PROBED:
-                            self.excluded_since = self.excluded_since if self.excluded_by else now
-                            self.excluded_by[peer] = (theirs, r)  # judged in tick()
-                        continue
-                    member = self.m.members.get(j)
-                    # take another node's word for a death only if we have not heard from it
-                    # lately ourselves (one false suspicion must not evict a live member), or
-                    # when the same list schedules its new life (a restart, not a suspicion),
-                    # or when we join the sender's cluster (we take its lists as they are)
-                    if member is None or now - member.last_seen > self.m.dead_after / 2 or j in rejoining \
-                            or peer in self.m.target or (li and member.incarnation > li):
-                        self.m.announce_leave(j, r, li or None)
-            if lists and jids is not None and jrounds is not None:
-                for j, r, ji in zip(jids, jrounds, jincs or [0] * len(jids)):
-                    self.m.announce_join(j, r, ji or None)
-            digest = x.get("digest")
-            if isinstance(digest, str):
-                self.digests[peer] = digest
-            if seeding and peer in self.m.members:
-                self.seeding.add(peer)
-            else:
-                self.seeding.discard(peer)
-            new_member = self.m.version != before
-            my_status, my_round, _ = self.progress()
-            if new_member:
-                self.last_change = now
-            if restarted and my_status == "training" and self.m.started and peer in self.m.eventual():
-                # a new life of a member we train with: its old life sends no more. It leaves
-                # at an announced round (its new life joins when it says hello to someone,
-                # maybe in another cluster, see foreign above)
-                self.m.announce_leave(peer, self.m.max_round() + self.m.leave_margin, old.incarnation)
-            if msg.kind == "hello":
-                active = self.m.counts(peer, inc)
-                # (a hello from a training node that is not active here comes from another
-                # cluster: not a joiner; nor is a node that waits to join another cluster)
-                if my_status == "training" and self.m.started and status == "waiting" and (restarted or not active) \
-                        and not other:
-                    # a node joins a running cluster (a new one, or a new life of a member):
-                    # everyone adopts it from the same future round, after its old life left
-                    eff = max(max(my_round, self.m.max_round()) + self.m.join_margin, self.m.leaves.get(peer, 0))
-                    self.m.announce_join(peer, eff, inc)
-                    log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
-                    new_member = True
-                reply = "members"
-        if self.excluded is not None and merge_into is not None:
-            self.excluded(msg.round, peer, merge_into, True)
-        with self.lock:
-            renewed = self.m.take_renewed()
-        for mid in renewed if self.reconnect is not None else ():
-            # a connection that kept retrying a dead life backs off for seconds: start afresh
-            self.reconnect(mid)
+            new_member, reply = self._update(msg, f, now, fx)
+            fx.reconnect = self.m.take_renewed()
         if reply:
-            self.send(peer, self._members_message())
+            fx.sends.append((peer, self._members_message()))
         if new_member:
-            self.broadcast(self._members_message())
-        elif msg.kind == "ping" and isinstance(x.get("digest"), str) and x["digest"] != self.m.digest():
-            self.send(peer, self._members_message())  # anti-entropy: it sees a different member set
+            fx.broadcasts.append(self._members_message())
+        elif msg.kind == "ping" and f.digest is not None and f.digest != self.m.digest():
+            fx.sends.append((peer, self._members_message()))  # anti-entropy: it sees a different member set
+        return fx
+
+    def _on_bye(self, peer: str, f: ControlFields, now: float) -> None:
+        with self.lock:
+            m = self.m.members.get(peer)
+            if m is not None and f.inc >= m.incarnation:
+                self.m.remove(peer, f"said goodbye ({str(f.reason or 'left')[:200]})", departed=True, now=now)
+                self.last_change = now
+            if str(f.reason or "").startswith("fingerprint"):
+                self._conflict(peer, str(f.reason)[:300])
+        self.seeds.pop(peer, None)
+
+    def _update(self, msg: Message, f: ControlFields, now: float, fx: Effects) -> tuple[bool, bool]:
+        """The member table learns what ``msg`` says (call with the lock held).
+        Returns (whether the member set or schedule changed, whether to reply)."""
+        peer, inc, status = msg.sender, f.inc, f.status
+        before = self.m.version
+        old = self.m.members.get(peer)
+        restarted = old is not None and inc > old.incarnation  # a new life of a node we knew
+        # the peer's cluster (as it will be once its announced changes take effect)
+        theirs = None if f.base is None else cluster_after(f.base, f.jids or (), f.lids or ())
+        ours = self.m.eventual()
+        # the peer's lists describe another cluster when neither cluster counts the other
+        # node: they change nothing here. A node that waits to join a cluster this node
+        # is not in says so too; its join round there is not one here.
+        # (a new life of a member counts as that member only once its own join is heard)
+        other = theirs is not None and self.m.started and self.id not in theirs \
+            and not (peer in ours and self.m.counts(peer, inc))
+        # another cluster that trains, met by a node that trains: the halves of a
+        # partition that healed meet so (each side announced the other's leaves), and so
+        # do clusters started apart (a seed that answered late). The stronger goes on;
+        # each member of the other joins it as a new life.
+        foreign = other and status == "training" and self.progress()[0] == "training"
+        if foreign and stronger(theirs, ours):  # type: ignore[arg-type]
+            # (its view may still count some of ours: we join its own members)
+            fx.verdict = (msg.round, peer, theirs - ours, True)  # type: ignore[operator]
+        # while joining another cluster, only its members' lists count
+        lists = not other and (not self.m.target or peer in self.m.target)
+        self.m.heard(peer, inc, now, status=status, round=msg.round, step=msg.progress, dc=f.dc,
+                     fingerprint=msg.fingerprint)
+        if f.mids is not None and f.mincs is not None:
+            self.m.merge(zip(f.mids, f.mincs), now)
+            if f.mdcs is not None and len(f.mdcs) == len(f.mids):
+                for mid, mdc in zip(f.mids, f.mdcs):
+                    if mid in self.m.members and not self.m.members[mid].dc:
+                        self.m.members[mid].dc = mdc
+        if lists and f.base is not None and not self.m.started and status in ("training", "done"):
+            self._learn_start(f)
+        # leaves before joins: a restarted member's old life leaves before its new one joins
+        if lists and f.lids is not None and f.lrounds is not None:
+            self._learn_leaves(peer, f, theirs, now)
+        if lists and f.jids is not None and f.jrounds is not None:
+            for j, r, ji in zip(f.jids, f.jrounds, f.jincs or [0] * len(f.jids)):
+                self.m.announce_join(j, r, ji or None)
+        if f.digest is not None:
+            self.digests[peer] = f.digest
+        if f.seeding and peer in self.m.members:
+            self.seeding.add(peer)
+        else:
+            self.seeding.discard(peer)
+        new_member = self.m.version != before
+        my_status, my_round, _ = self.progress()
+        if new_member:
+            self.last_change = now
+        if restarted and my_status == "training" and self.m.started and peer in self.m.eventual():
+            # a new life of a member we train with: its old life sends no more. It leaves
+            # at an announced round (its new life joins when it says hello to someone,
+            # maybe in another cluster, see foreign above)
+            self.m.announce_leave(peer, self.m.max_round() + self.m.leave_margin, old.incarnation)  # type: ignore[union-attr]
+        if msg.kind != "hello":
+            return new_member, False
+        active = self.m.counts(peer, inc)
+        # (a hello from a training node that is not active here comes from another
+        # cluster: not a joiner; nor is a node that waits to join another cluster)
+        if my_status == "training" and self.m.started and status == "waiting" and (restarted or not active) \
+                and not other:
+            # a node joins a running cluster (a new one, or a new life of a member):
+            # everyone adopts it from the same future round, after its old life left
+            eff = max(max(my_round, self.m.max_round()) + self.m.join_margin, self.m.leaves.get(peer, 0))
+            self.m.announce_join(peer, eff, inc)
+            log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
+            new_member = True
+        return new_member, True
+
+    def _learn_start(self, f: ControlFields) -> None:
+        """We learn how the running cluster started; if it started with an earlier
+        life of ours (it lists another incarnation of us, or our leave), we are not
+        one of its starters any more but a node that joins."""
+        base = f.base or []
+        listed = dict(zip(f.mids, f.mincs)) if f.mids is not None and f.mincs is not None else {}
+        former = listed.get(self.id, self.incarnation) != self.incarnation or self.id in (f.lids or ())
+        if f.bincs is not None and self.id in base and f.bincs[base.index(self.id)] not in (0, self.incarnation):
+            former = True  # it started with an earlier life of ours
+        starters = [(b, i) for b, i in zip(base, f.bincs or [0] * len(base)) if not (former and b == self.id)]
+        self.m.start([b for b, _ in starters], [i or None for _, i in starters])
+
+    def _learn_leaves(self, peer: str, f: ControlFields, theirs: set[str] | None, now: float) -> None:
+        rejoining = set(f.jids or ())
+        for j, r, li in zip(f.lids or [], f.lrounds or [], f.lincs or [0] * len(f.lids or [])):
+            if j == self.id:
+                # a leave not after our own first round, or of another life, is an
+                # earlier life's, long done
+                if f.status != "waiting" and self.progress()[0] == "training" and theirs is not None \
+                        and r > self.m.joins.get(self.id, 0) and li in (0, self.incarnation) \
+                        and len(self.excluded_by) < MAX_PROBED:
+                    self.excluded_since = self.excluded_since if self.excluded_by else now
+                    self.excluded_by[peer] = (theirs, r)  # judged in tick()
+                continue
+            member = self.m.members.get(j)
+            # take another node's word for a death only if we have not heard from it
+            # lately ourselves (one false suspicion must not evict a live member), or
+            # when the same list schedules its new life (a restart, not a suspicion),
+            # or when we join the sender's cluster (we take its lists as they are)
+            if member is None or now - member.last_seen > self.m.dead_after / 2 or j in rejoining \
+                    or peer in self.m.target or (li and member.incarnation > li):
+                self.m.announce_leave(j, r, li or None)
 
     # -- timers ----------------------------------------------------------------------------
     def tick(self, now: float) -> list[str]:
         """Heartbeats, seed retries and the failure detector; returns newly dead ids."""
         self.now = now
-        gap, self._last_tick = now - (self._last_tick if self._last_tick is not None else now), now
-        if gap > max(self.m.dead_after / 2, 4 * self.heartbeat):
-            # this process did not run (suspended, swapped out): everyone looks silent,
-            # but the silence is ours. Do not count it against the members.
+        with self.lock:
+            verdicts = self.detector.tick(now)
+        if verdicts.stalled:
+            # this process did not run (suspended, swapped out): the detector did not count
+            # that as the members' silence
             log.warning("%s: this node stalled for %.1f s; not counting that as the members' silence",
-                        self.id, gap)
-            with self.lock:
-                for m in self.m.members.values():
-                    m.last_seen = min(now, m.last_seen + gap)
+                        self.id, verdicts.stalled)
+        for mid in verdicts.suspected:
+            log.info("%s: member %s is suspected", self.id, mid)
         for seed, state in list(self.seeds.items()):
             if now >= state[0]:
                 if state[1] > self.heartbeat:
@@ -381,16 +459,22 @@ class ControlPlane:
                 state[0] = now + state[1]
                 state[1] = min(state[1] * 2, BACKOFF_MAX)  # exponential backoff, capped
         dead: list[str] = []
+        with self.lock:
+            for mid in verdicts.dead:
+                if self.m.remove(mid, f"silent for more than {self.m.dead_after:g} s"):
+                    dead.append(mid)
+            digest = self.m.digest()
+        if dead:
+            self.last_change = now
+            self.broadcast(self._members_message())  # the leave rounds, so all adopt them together
+        if verdicts.probes:
+            ping = self._message("ping", digest=digest)
+            for dst, kind in verdicts.probes:
+                self.send(dst, ping if kind == "ping" else self._message(kind, digest=digest))
         if now - self.last_ping >= self.heartbeat:
             self.last_ping = now
             with self.lock:
-                dead = self.m.expire(now)
-                digest = self.m.digest()
                 lost = [d for d in self.m.dead if d not in self.m.members][-MAX_PROBED:]
-            if dead:
-                self.last_change = now
-                self.broadcast(self._members_message())  # the leave rounds, so all adopt them together
-            self.broadcast(self._message("ping", digest=digest))
             self._probe(now, lost)
         if self.excluded_by and now - self.excluded_since >= 1.5 * self.m.dead_after:
             self._judge_exclusion(now)

@@ -583,3 +583,63 @@ def test_silence_from_a_new_life_read_of_in_a_list_is_no_leave_for_its_join():
     pa.receive("hello", x, inc=2, status="waiting")  # it says hello: a join
     join = pa.m.joins[x]
     assert x not in pa.m.leaves and pa.m.at_round(join) == [a, b, x]
+
+
+def test_the_heartbeat_detector_probes_everyone_each_heartbeat_and_declares_the_silent_dead():
+    from gossip.detector import HeartbeatDetector
+
+    a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    m = Membership(a, 1, FP, dead_after=2.0)
+    m.heard(b, 1, 0.0)
+    m.heard(c, 1, 0.0)
+    d = HeartbeatDetector(m, heartbeat=0.5)
+    first = d.tick(0.5)
+    assert first.probes == [(b, "ping"), (c, "ping")] and first.dead == [] and not first.stalled
+    assert d.tick(0.6).probes == []  # not due again before the next heartbeat
+    t = 1.0
+    while t <= 2.5:
+        d.heard(b, t)
+        out = d.tick(t)
+        t += 0.5
+    assert out.dead == [c] and out.probes == [(b, "ping")]
+    stalled = d.tick(30.0)  # 27.5 s without a tick: this node did not run
+    assert stalled.stalled > 20 and b not in stalled.dead
+
+
+def test_the_control_plane_acts_on_its_detector_s_verdicts():
+    """The interface a SWIM detector plugs into: its dead become announced leaves, its
+    probes are sent as messages of their kind carrying the member digest."""
+    from gossip.detector import Verdicts
+
+    class Scripted:
+        def __init__(self):
+            self.heard_from: list[tuple[str, float]] = []
+            self.next = Verdicts()
+
+        def heard(self, member, now):
+            self.heard_from.append((member, now))
+
+        def tick(self, now):
+            out, self.next = self.next, Verdicts()
+            return out
+
+    a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    p = Plane(a, status="training", rnd=10)
+    det = Scripted()
+    p.cp.detector = det
+    for x in (b, c):
+        p.m.heard(x, 1, 0.0, status="training", round=10)
+    p.m.start([a, b, c])
+    p.cp.now = 1.0
+    from gossip import wire
+
+    frames = wire.encode(Message("state", b, 10, 10, 1, None, None, {}, FP))
+    p.cp.on_frames(b.encode(), [bytes(memoryview(f)) for f in frames])
+    assert det.heard_from == [(b, 1.0)]  # a state message counts as word from b
+    det.next = Verdicts(probes=[(b, "ping")], dead=[c])
+    assert p.cp.tick(1.5) == [c]
+    assert c not in p.m.members and p.m.leaves.get(c, 0) > 10  # a leave round, announced
+    kinds = [(dst, msg.kind) for dst, msg in p.sent]
+    assert (b, "ping") in kinds and (b, "members") in kinds and all(dst != c for dst, _ in kinds)
+    ping = next(msg for dst, msg in p.sent if msg.kind == "ping")
+    assert ping.extra["digest"] == p.m.digest()

@@ -1,0 +1,84 @@
+"""Failure detection behind a small interface, so that the detector can change
+(today's all-to-all heartbeats; SWIM's probes, see ``gossip/swim.py``) without the
+control plane changing.
+
+What a detector is told, and what it says (sans-IO: no clock, no socket):
+
+``heard(member, now)``
+    a message (any kind) from ``member`` arrived at ``now``
+``tick(now) -> Verdicts``
+    called every few tens of milliseconds of the driver's clock; returns the
+    probes to send now (``(destination, kind)``: the control plane builds and
+    sends each, carrying its member digest) and the members it now holds
+    ``suspected``, ``dead`` or ``alive`` again (after a suspicion)
+
+The control plane acts on the verdicts: a dead member is removed (its leave
+round announced), a suspected one is only logged, and a probe is a ``ping``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gossip.membership import Membership
+
+__all__ = ["Verdicts", "FailureDetector", "HeartbeatDetector"]
+
+log = logging.getLogger("gossip.detector")
+
+
+@dataclass
+class Verdicts:
+    """What a detector says at one tick."""
+
+    probes: list[tuple[str, str]] = field(default_factory=list)  # (destination, message kind) to send now
+    suspected: list[str] = field(default_factory=list)
+    dead: list[str] = field(default_factory=list)
+    alive: list[str] = field(default_factory=list)  # suspected before, heard from since
+    stalled: float = 0.0  # seconds this node itself did not run (0: it ran)
+
+
+class FailureDetector(Protocol):
+    """The interface the control plane uses (see the module docstring)."""
+
+    def heard(self, member: str, now: float) -> None: ...
+
+    def tick(self, now: float) -> Verdicts: ...
+
+
+class HeartbeatDetector:
+    """Every member pings every other member each ``heartbeat`` seconds; a member
+    silent for ``dead_after`` seconds is dead (no suspicion stage). Its memory is
+    the member table's ``last_seen``, which the member lists also read.
+
+    A gap between two ticks longer than ``max(dead_after / 2, 4 * heartbeat)``
+    means this process did not run (suspended, swapped out): everyone would look
+    silent, but the silence is its own, so it is not counted against them.
+    """
+
+    def __init__(self, membership: Membership, heartbeat: float) -> None:
+        self.m = membership
+        self.heartbeat = heartbeat
+        self.last_ping = 0.0
+        self._last_tick: float | None = None
+
+    def heard(self, member: str, now: float) -> None:
+        m = self.m.members.get(member)
+        if m is not None:
+            m.last_seen = now
+
+    def tick(self, now: float) -> Verdicts:
+        out = Verdicts()
+        gap, self._last_tick = now - (self._last_tick if self._last_tick is not None else now), now
+        if gap > max(self.m.dead_after / 2, 4 * self.heartbeat):
+            out.stalled = gap
+            for m in self.m.members.values():
+                m.last_seen = min(now, m.last_seen + gap)
+        if now - self.last_ping >= self.heartbeat:
+            self.last_ping = now
+            out.dead = [mid for mid, m in self.m.members.items()
+                        if mid != self.m.self_id and now - m.last_seen > self.m.dead_after]
+            out.probes = [(mid, "ping") for mid in self.m.others() if mid not in out.dead]
+        return out
