@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from gossip.checkpoint import latest_checkpoint, save_checkpoint
+from gossip.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gossip.compression import get_codec
 from gossip.message import Message
 from gossip.mixing.base import decode_payload
@@ -60,6 +60,20 @@ def _default_logging() -> None:
         lib.setLevel(logging.INFO)
 
 
+def _schedulers(scheduler: Any, optimizer: Any) -> list[Any]:
+    """``scheduler=`` as a list, each checked to be a scheduler of ``optimizer``."""
+    if scheduler is None:
+        return []
+    found = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+    for s in found:
+        if not (callable(getattr(s, "state_dict", None)) and callable(getattr(s, "load_state_dict", None))):
+            raise ValueError(f"scheduler must be a learning-rate scheduler (state_dict / load_state_dict), "
+                             f"got {type(s).__name__}")
+        if getattr(s, "optimizer", optimizer) is not optimizer:
+            raise ValueError("scheduler must schedule the optimizer given to GossipNode, not another one")
+    return found
+
+
 class GossipNode:
     """Gossip for a training loop of your own (the Horovod-style path).
 
@@ -85,6 +99,8 @@ class GossipNode:
     peers : some existing members, a list or a comma-separated string (default: ``GOSSIP_PEERS``)
     mixing : a :class:`~gossip.mixing.settings.MixingSettings`, or its options flat (``period=4``)
     checkpoint_dir, checkpoint_every : a checkpoint every that many steps and at the end
+    scheduler : a learning-rate scheduler of ``optimizer`` (or a list of them) whose state goes
+        into every checkpoint and comes back with the optimizer's on resume
     resume : continue from the newest checkpoint in ``checkpoint_dir``; default: when there is one
     same_start : every member takes the first member's parameters before the first step (like
         Horovod's ``broadcast_parameters``); members that resume or join keep theirs
@@ -95,8 +111,9 @@ class GossipNode:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  listen: str | None = None, peers: Any = None, mixing: MixingSettings | None = None, checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int = 0, resume: bool | None = None, same_start: bool = True,
-                 handle_signals: bool = True, **options: Any) -> None:
+                 handle_signals: bool = True, scheduler: Any = None, **options: Any) -> None:
         _default_logging()
+        self.schedulers = _schedulers(scheduler, optimizer)
         if listen is None:  # like torchrun's environment: one script, its addresses set per process
             listen = os.environ.get("GOSSIP_LISTEN")
             if not listen:
@@ -135,6 +152,8 @@ class GossipNode:
                 raise type(e)(_api_names(str(e))) from None
             if same_start:
                 self._agree_start()
+            if self.schedulers and cfg.resume and checkpoint_dir is not None:
+                self._resume_schedulers(checkpoint_dir)
         except BaseException:
             self.peer.close()
             raise
@@ -223,7 +242,28 @@ class GossipNode:
         cfg = self.peer.cfg
         node = self.peer.node
         if cfg.checkpoint_dir and cfg.checkpoint_every and node is not None and node.step % cfg.checkpoint_every == 0:
-            save_checkpoint(node.state_dict(), cfg.checkpoint_dir, node.step)
+            self._save_checkpoint()
+
+    def _save_checkpoint(self) -> None:
+        node, cfg = self.peer.node, self.peer.cfg
+        state = node.state_dict()
+        if self.schedulers:
+            state["schedulers"] = [s.state_dict() for s in self.schedulers]
+        save_checkpoint(state, cfg.checkpoint_dir, node.step)
+
+    def _resume_schedulers(self, directory: str) -> None:
+        path = latest_checkpoint(directory)
+        if path is None:
+            return
+        saved = load_checkpoint(path).get("schedulers")
+        if saved is None:
+            log.warning("%s: %s has no scheduler state; the scheduler starts afresh", self.peer.id, path.name)
+            return
+        if len(saved) != len(self.schedulers):
+            raise ValueError(f"checkpoint {path.name} has {len(saved)} scheduler(s), scheduler= gives "
+                             f"{len(self.schedulers)}")
+        for s, st in zip(self.schedulers, saved):
+            s.load_state_dict(st)
 
     def neighbor_distance(self) -> float:
         """Squared distance to the neighbours' last sent parameters (a cheap local estimate)."""
@@ -409,7 +449,7 @@ class GossipNode:
                 self._serve_rounds()
             node, cfg = peer.node, peer.cfg
             if cfg.checkpoint_dir and node is not None and peer._excluded is None:
-                save_checkpoint(node.state_dict(), cfg.checkpoint_dir, node.step)
+                self._save_checkpoint()
             peer.finish()
             summary = peer.summary()
             train = time.monotonic() - self._t_start

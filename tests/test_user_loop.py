@@ -158,6 +158,48 @@ def test_checkpoints_are_written_and_resumed_at_the_step_and_epoch(tmp_path):
         node2.close()
 
 
+def test_a_scheduler_is_checkpointed_and_resumed_with_the_optimizer(tmp_path):
+    """scheduler= : its state rides in each checkpoint; a restart continues the schedule
+    where the checkpoint left it (learning rate and step count), not from its start."""
+    ck = tmp_path / "ck"
+    model, opt = _model(0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
+    node = gossip.GossipNode(model, opt, listen=f"127.0.0.1:{free_port()}", checkpoint_dir=ck,
+                             scheduler=sched, **FAST)
+    x, y = torch.randn(8, 4), torch.randint(2, (8,))
+    for _ in range(7):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+    lr7 = opt.param_groups[0]["lr"]
+    node.close()
+    model2, opt2 = _model(1)
+    sched2 = torch.optim.lr_scheduler.CosineAnnealingLR(opt2, T_max=20)
+    assert opt2.param_groups[0]["lr"] != lr7
+    node2 = gossip.GossipNode(model2, opt2, listen=f"127.0.0.1:{free_port()}", checkpoint_dir=ck,
+                              scheduler=[sched2], **FAST)
+    try:
+        assert node2.start_step == 7 and sched2.last_epoch == 7
+        assert opt2.param_groups[0]["lr"] == pytest.approx(lr7, rel=1e-12)
+        opt2.step()
+        sched2.step()
+        sched.step()  # the uninterrupted schedule's next value
+        assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12)
+    finally:
+        node2.close()
+
+
+def test_a_scheduler_of_another_optimizer_is_refused():
+    model, opt = _model(0)
+    other = torch.optim.SGD(_model(1)[0].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="scheduler must schedule the optimizer given"):
+        gossip.GossipNode(model, opt, listen=f"127.0.0.1:{free_port()}",
+                          scheduler=torch.optim.lr_scheduler.StepLR(other, 3), **FAST)
+    with pytest.raises(ValueError, match="scheduler must be a learning-rate scheduler"):
+        gossip.GossipNode(model, opt, listen=f"127.0.0.1:{free_port()}", scheduler=3, **FAST)
+
+
 def _in_threads(fns):
     out, errors = [None] * len(fns), []
 
