@@ -23,6 +23,7 @@ training side go to :meth:`Lifecycle.handle`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections import Counter
@@ -68,6 +69,10 @@ def _is_address(text: str) -> bool:
         return parse_address(text) == text
     except ValueError:
         return False
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 class Lifecycle:
@@ -145,6 +150,12 @@ class Lifecycle:
         self.on_average: Any = None  # GossipNode's collectives: called with each "average" message
         self.serving = False  # done, but still taking part in rounds for the members that train (GossipNode)
         self.last_step_at: float | None = None
+        # with ``audit`` (the simulator's checks): (member, sha256) of every state handed over
+        # to a joiner, and (donor, sha256) of the state this life took
+        self.audit = False
+        self.on_node: Callable[[Node], None] | None = None  # called with each life's node once built
+        self.handed: list[tuple[str, str]] = []
+        self.took: tuple[str, str] | None = None
 
     # -- what the control plane asks --------------------------------------------------------
     def progress(self) -> tuple[str, int, int]:
@@ -272,6 +283,8 @@ class Lifecycle:
         self.node = Node(self.id, members, topology, self.task, rule, node_cfg, seed=cfg.seed,
                          split=cfg.split, rank=rank, world_size=world, device=self.device, model=self.user_model,
                          optimizer=self.user_optimizer, policies=policies)
+        if self.on_node is not None:
+            self.on_node(self.node)
         if mode == "join":
             self.joined = True
             yield from self.pull_state(start_round)
@@ -386,6 +399,8 @@ class Lifecycle:
                     values = decode_payload(reply, node.state.flat)
                     if all_finite(values):
                         node.adopt_handover(values, reply.extra)  # parameters, and any outer momentum
+                        if self.audit:
+                            self.took = (donor, _sha(node.state.flat))
                         # a joiner that fell behind (slow start, a busy machine) starts at the
                         # donor's round: the cluster went on without it, and its members drop
                         # messages of rounds they have finished
@@ -636,6 +651,8 @@ class Lifecycle:
             if node is None or self.status == "waiting":
                 return
             snap, extra = node.handover()  # the parameters, and any outer optimizer's momentum
+            if self.audit:
+                self.handed.append((str(msg.sender), _sha(node.state.flat)))
             weight = getattr(node.rule, "weight", None)
             reply = Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
                             weight, {"inc": self.incarnation, **extra}, self.fingerprint)

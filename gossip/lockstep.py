@@ -371,13 +371,13 @@ class Lockstep:
         matrix = self.batched.matrix
         W = self._weights(ph.graph)
         with torch.no_grad():
-            if len(ids) == self.n:  # the whole round at once: X <- W X
-                matrix.copy_(torch.sparse.mm(W, matrix))
+            if len(ids) == self.n:  # the whole round at once: X <- W X = X + (W - I) X
+                matrix.add_(torch.sparse.mm(W, matrix))
             else:  # part of the round: mix these rows from what every node sent
                 if self._sent is None:
                     self._sent = matrix.clone()
                 rows = torch.as_tensor(self._rows[ids], device=matrix.device)
-                matrix.index_copy_(0, rows, torch.sparse.mm(W, self._sent).index_select(0, rows))
+                matrix.index_add_(0, rows, torch.sparse.mm(W, self._sent).index_select(0, rows))
         if hi == len(ph.order):
             self._sent = None
         self.rounds[ids] += 1
@@ -389,15 +389,29 @@ class Lockstep:
             self.finished[ids] = True
 
     def _weights(self, graph: int) -> torch.Tensor:
-        """The round's mixing matrix over the parameter rows, as a sparse CSR tensor."""
+        """The round's ``W - I`` over the parameter rows, as a sparse CSR tensor.
+
+        Mixing adds ``(W - I) X`` to ``X``: each row's weights sum to exactly zero in
+        the matrix's dtype, so the product moves each node by its neighbours'
+        differences, as the per-node ``lerp_`` chain does. (``W`` itself in float32,
+        whose weights such as 1/3 sum to 1 + 1e-7, would scale every node up by that
+        much per round.)"""
         W = self._w[graph]
         if W is None:
             g = self.graphs[graph]
             self._rows = rows = np.asarray(self.batched.row_of, dtype=np.int64)
             matrix = self.batched.matrix
-            index = torch.as_tensor(np.stack([rows[g.w_rows], rows[g.w_cols]]))
-            values = torch.tensor(g.w_vals, dtype=matrix.dtype)
-            W = torch.sparse_coo_tensor(index, values, (self.n, self.n), check_invariants=True).coalesce()
+            dtype = torch.empty(0, dtype=matrix.dtype).numpy().dtype if matrix.dtype != torch.bfloat16 else np.float32
+            v, u = np.asarray(g.w_rows), np.asarray(g.w_cols)
+            w = np.asarray(g.w_vals, dtype=np.float64)
+            off = v != u
+            w_off = w[off].astype(dtype).astype(np.float64)  # the weights as the product will see them
+            total = np.bincount(v, weights=w, minlength=self.n)
+            diag = (total - 1.0) - np.bincount(v[off], weights=w_off, minlength=self.n)
+            index = np.concatenate([np.stack([rows[v[off]], rows[u[off]]]), np.stack([rows, rows])], axis=1)
+            values = torch.as_tensor(np.concatenate([w_off, diag]), dtype=matrix.dtype)
+            W = torch.sparse_coo_tensor(torch.as_tensor(index), values, (self.n, self.n),
+                                        check_invariants=True).coalesce()
             with warnings.catch_warnings():  # "sparse CSR support is in beta": the product below is all it does
                 warnings.simplefilter("ignore", UserWarning)
                 W = self._w[graph] = W.to_sparse_csr().to(matrix.device)
@@ -458,10 +472,13 @@ def _static_refusal(sim: Any) -> str | None:
         cfg = node.config
         if (cfg.steps, cfg.period, cfg.timeout) != (first.config.steps, first.config.period, first.config.timeout):
             return "the nodes have different steps, periods or timeouts"
-        if node.channels[0].topology is not first.channels[0].topology or node.members != list(range(n)):
+        if node.channels[0].topology is not first.channels[0].topology or (
+                node.members is not first.members and node.members != first.members):
             return "the nodes do not share one topology over members 0..n-1"
         if node.step or node.round:
             return "the nodes have already trained"
+    if first.members != list(range(n)):
+        return "the nodes' members are not 0..n-1"
     if first.config.steps < 1:
         return "there are no steps to run"
     topology = first.channels[0].topology
