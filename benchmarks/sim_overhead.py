@@ -122,8 +122,11 @@ def compare(nodes: int, steps: int, seed: int, chunks: int, engines: list[str]) 
         for key in ("sim_time_s", "bytes_sent"):
             assert ref.summary[key] == lock.summary[key], f"lockstep disagrees on {key}"
         diff = (torch.stack(ref.params) - torch.stack(lock.params)).abs()
-        # a ReLU whose input is within rounding of zero may flip one gradient: bound most, not all
-        assert (diff < 1e-5).float().mean() > 0.999 and diff.max() < 0.05, "lockstep disagrees on parameters"
+        # a ReLU whose input is within rounding of zero may flip one gradient, which mixing then
+        # spreads: bound the typical difference by rounding and the worst by a fraction of a step
+        assert float(diff.median()) < 1e-6 and float(diff.max()) < 0.05, \
+            f"lockstep disagrees on parameters ({nodes} nodes: median {float(diff.median()):.3g}, " \
+            f"max {float(diff.max()):.3g})"
     return t
 
 
