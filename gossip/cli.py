@@ -246,7 +246,7 @@ NODE_FLAGS = {
     "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": (float, str),
     "threads": int, "emulate": list, "curve_keys": str, "peers_file": str, "slurm": bool, "slurm_port": int,
     "progress": bool, "tensorboard": str, "clip": (float, str), "asynchronous": bool, "staleness": str, "overlap": bool, "link_policy": list,
-    "outer": str,
+    "outer": str, "detector": str,
 }
 
 
@@ -278,6 +278,10 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="ping interval (default: 0.5)")
     p.add_argument("--dead-after", type=_positive_float("--dead-after"), default=3.0, metavar="SEC",
                    help="silence before a member is declared dead (default: 3)")
+    p.add_argument("--detector", choices=("heartbeat", "swim"), default="heartbeat",
+                   help="failure detector: heartbeat (every member pings every other each --heartbeat) or swim "
+                        "(each pings one member per --heartbeat, with indirect probes; constant traffic per "
+                        "node); every member must use the same (default: heartbeat)")
     p.add_argument("--settle", type=float, default=2.0, metavar="SEC",
                    help="member set stable this long before a fresh cluster starts (default: 2)")
     p.add_argument("--join-timeout", type=_positive_float("--join-timeout"), default=60.0, metavar="SEC",
@@ -398,7 +402,8 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
                      checkpoint_dir=merged.get("checkpoint_dir"), checkpoint_every=merged["checkpoint_every"],
                      resume=bool(merged.get("resume")), log=merged.get("log"), eval_every=merged["eval_every"],
                      max_message_mb=merged["max_message_mb"], curve_keys=merged.get("curve_keys"),
-                     emulate=tuple(merged.get("emulate") or ()), tensorboard=merged.get("tensorboard"))
+                     emulate=tuple(merged.get("emulate") or ()), tensorboard=merged.get("tensorboard"),
+                     detector=merged["detector"])
     args.json = bool(merged.get("json"))
     args.progress = merged.get("progress")
     args.threads = merged.get("threads")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gossip import wire
-from gossip.detector import FailureDetector, HeartbeatDetector
+from gossip.detector import FailureDetector, make_detector
 from gossip.membership import Membership, cluster_after, stronger
 from gossip.message import Message
 
@@ -153,8 +153,9 @@ class ControlPlane:
         halves of a partition that healed, or clusters started apart, meet
     clock : when given, read on every incoming message, so a message is timed when
         it is handled (otherwise ``now`` is the last tick's time)
-    detector : the failure detector (default: :class:`~gossip.detector.HeartbeatDetector`,
-        every member pings every other each ``heartbeat``)
+    detector : the failure detector, or its name (``"heartbeat"``, the default:
+        :class:`~gossip.detector.HeartbeatDetector`, every member pings every other
+        each ``heartbeat``; ``"swim"``: :class:`~gossip.swim_detector.SwimDetector`)
     """
 
     def __init__(self, node_id: str, incarnation: int, fingerprint: str, dc: str, membership: Membership,
@@ -162,7 +163,7 @@ class ControlPlane:
                  progress: Callable[[], tuple[str, int, int]], *, heartbeat: float = 0.5,
                  seeds: tuple[str, ...] = (), reconnect: Callable[[str], None] | None = None,
                  excluded: Callable[[int, str], None] | None = None,
-                 clock: Callable[[], float] | None = None, detector: FailureDetector | None = None) -> None:
+                 clock: Callable[[], float] | None = None, detector: FailureDetector | str | None = None) -> None:
         self.id, self.incarnation, self.fingerprint, self.dc = node_id, incarnation, fingerprint, dc
         self.m = membership
         self.lock = lock
@@ -189,7 +190,7 @@ class ControlPlane:
         self.now = 0.0
         self.clock = clock
         # who is alive: told of every message, asked every tick (see gossip.detector)
-        self.detector: FailureDetector = detector if detector is not None else HeartbeatDetector(membership, heartbeat)
+        self.detector: FailureDetector = make_detector(detector, membership, heartbeat)
 
     # -- helpers ---------------------------------------------------------------------------
     def reject(self, peer: str, reason: str, detail: str = "", *, count: bool = True) -> None:
@@ -292,10 +293,12 @@ class ControlPlane:
             self.broadcast(msg)
 
     def handle(self, msg: Message, now: float) -> Effects:
-        """One control message (hello, members, ping, pong, bye) from ``msg.sender`` at
+        """One control message (hello, members, ping, pong, bye, swim) from ``msg.sender`` at
         ``now``: updates the member table and returns what to send, whom to
         reconnect, and any verdict on this node. Raises ValueError (TypeError,
         KeyError) naming a bad field; then nothing changed."""
+        if msg.kind == "swim":
+            return self._on_swim(msg, now)
         f = parse_control(msg)
         peer = msg.sender
         fx = Effects()
@@ -321,6 +324,23 @@ class ControlPlane:
             fx.broadcasts.append(self._members_message())
         elif msg.kind == "ping" and f.digest is not None and f.digest != self.m.digest():
             fx.sends.append((peer, self._members_message()))  # anti-entropy: it sees a different member set
+        return fx
+
+    def _on_swim(self, msg: Message, now: float) -> Effects:
+        """A failure detector's own message (SWIM): every field checked first, read as
+        a ping of the sender's life (status, round, member digest), then handed to
+        the detector, whose replies go back framed as this node's messages."""
+        receive = getattr(self.detector, "receive", None)
+        if receive is None:
+            raise ValueError("kind (this node's failure detector takes no swim messages)")
+        fx = self.handle(self.detector.control_view(msg), now)  # type: ignore[attr-defined]
+        with self.lock:
+            member = self.m.members.get(msg.sender)
+            if msg.fingerprint != self.fingerprint or member is None or member.incarnation > msg.extra["life"]:
+                return fx  # refused as a ping, or from an older life
+            verdicts = receive(msg, now)
+            digest = self.m.digest()
+        fx.sends += [(dst, self._message(kind, digest=digest, **fields)) for dst, kind, fields in verdicts.sends]
         return fx
 
     def _on_bye(self, peer: str, f: ControlFields, now: float) -> None:
@@ -451,6 +471,8 @@ class ControlPlane:
                         self.id, verdicts.stalled)
         for mid in verdicts.suspected:
             log.info("%s: member %s is suspected", self.id, mid)
+        for mid in verdicts.alive:
+            log.info("%s: member %s is alive again", self.id, mid)
         for seed, state in list(self.seeds.items()):
             if now >= state[0]:
                 if state[1] > self.heartbeat:
@@ -471,6 +493,8 @@ class ControlPlane:
             ping = self._message("ping", digest=digest)
             for dst, kind in verdicts.probes:
                 self.send(dst, ping if kind == "ping" else self._message(kind, digest=digest))
+        for dst, kind, fields in verdicts.sends:  # the detector's own messages (SWIM's)
+            self.send(dst, self._message(kind, digest=digest, **fields))
         if now - self.last_ping >= self.heartbeat:
             self.last_ping = now
             with self.lock:
@@ -529,6 +553,8 @@ class ControlPlane:
         new_life): what the lists said of its previous life is no evidence about it."""
         self.incarnation = incarnation
         self.excluded_by = {}
+        if hasattr(self.detector, "new_life"):
+            self.detector.new_life(incarnation)  # each life's detector starts afresh
 
     def hello_all(self, peers: list[str]) -> None:
         for p in peers:

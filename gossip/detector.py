@@ -14,6 +14,22 @@ What a detector is told, and what it says (sans-IO: no clock, no socket):
 
 The control plane acts on the verdicts: a dead member is removed (its leave
 round announced), a suspected one is only logged, and a probe is a ``ping``.
+
+A detector with messages of its own (SWIM, see ``gossip/swim_detector.py``) also has
+
+``receive(msg, now) -> Verdicts``
+    a message of its kind (``swim``) from a member, its fields checked: the
+    verdicts carry only ``sends`` (the replies); what the message taught about
+    members is said at the next tick
+``control_view(msg) -> Message``
+    that message as the control plane reads it: the member's status, round,
+    life and member digest, as a ``ping`` would carry them
+``new_life(incarnation)``
+    this node starts a new life: the detector starts afresh at it
+
+and its verdicts carry ``sends``: ``(destination, kind, fields)``, which the
+control plane frames as its own messages (life, status, datacenter, member
+digest, round and progress) with ``fields`` added over them.
 """
 
 from __future__ import annotations
@@ -24,7 +40,9 @@ from typing import Protocol
 
 from gossip.membership import Membership
 
-__all__ = ["Verdicts", "FailureDetector", "HeartbeatDetector"]
+__all__ = ["Verdicts", "FailureDetector", "HeartbeatDetector", "DETECTORS", "make_detector"]
+
+DETECTORS = ("heartbeat", "swim")  # the names PeerConfig.detector and gossip-node --detector take
 
 log = logging.getLogger("gossip.detector")
 
@@ -38,6 +56,7 @@ class Verdicts:
     dead: list[str] = field(default_factory=list)
     alive: list[str] = field(default_factory=list)  # suspected before, heard from since
     stalled: float = 0.0  # seconds this node itself did not run (0: it ran)
+    sends: list[tuple[str, str, dict]] = field(default_factory=list)  # (destination, kind, fields) to send now
 
 
 class FailureDetector(Protocol):
@@ -82,3 +101,18 @@ class HeartbeatDetector:
                         if mid != self.m.self_id and now - m.last_seen > self.m.dead_after]
             out.probes = [(mid, "ping") for mid in self.m.others() if mid not in out.dead]
         return out
+
+
+def make_detector(detector: "FailureDetector | str | None", membership: Membership,
+                  heartbeat: float) -> FailureDetector:
+    """The detector named ``detector`` (one of :data:`DETECTORS`; None: ``heartbeat``)
+    for ``membership``, or ``detector`` itself when it is one already."""
+    if detector is None or detector == "heartbeat":
+        return HeartbeatDetector(membership, heartbeat)
+    if detector == "swim":
+        from gossip.swim_detector import SwimDetector
+
+        return SwimDetector(membership, heartbeat)
+    if isinstance(detector, str):
+        raise ValueError(f"detector must be one of {', '.join(DETECTORS)}, got {detector!r}")
+    return detector

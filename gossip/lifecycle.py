@@ -114,7 +114,8 @@ class Lifecycle:
         self.control = ControlPlane(self.id, incarnation, fingerprint, cfg.dc, self.membership, self.lock, send,
                                     self._to_node, self.progress, heartbeat=cfg.heartbeat,
                                     seeds=tuple(parse_address(p) for p in cfg.peers), reconnect=reconnect,
-                                    excluded=self.on_excluded, clock=clock)
+                                    excluded=self.on_excluded, clock=clock,
+                                    detector=getattr(cfg, "detector", "heartbeat"))
         self.to_node: Callable[[Message], None] = self.handle  # the real driver queues them for its thread
         self.status = "waiting"
         self.node: Node | None = None

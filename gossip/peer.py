@@ -107,6 +107,7 @@ class PeerConfig:
     emulate: tuple[str, ...] = ()        # link emulation: "CLASS:latency=50ms,bandwidth=100Mbit,loss=0,drop=N"
     curve_keys: str | None = None        # CurveZMQ key directory (see gossip.security); None: no encryption
     tensorboard: str | None = None       # TensorBoard directory: scalars of the metrics in DIR/<node id>/
+    detector: str = "heartbeat"          # failure detector: heartbeat (all-to-all pings) or swim (gossip.swim_detector)
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "--listen")
@@ -138,6 +139,10 @@ class PeerConfig:
         if not isinstance(self.dc, str) or len(self.dc) > 64:
             raise ValueError("dc must be a short string")
         emulated_links(self.emulate)  # fails early on a bad spec
+        from gossip.detector import DETECTORS
+
+        if self.detector not in DETECTORS:
+            raise ValueError(f"detector must be one of {', '.join(DETECTORS)}, got {self.detector!r}")
         if self.tensorboard:
             from gossip.tensorboard_log import require_tensorboard
 

@@ -73,7 +73,7 @@ from typing import Any, Iterable
 from gossip.message import Message
 
 __all__ = ["KIND", "OPS", "ALIVE", "SUSPECT", "DEAD", "LEFT", "STATES", "SwimOptions", "SwimMessage",
-           "MemberEvent", "Swim", "to_message", "from_message"]
+           "MemberEvent", "Swim", "to_message", "from_message", "check"]
 
 KIND = "swim"  # the wire message kind that carries every SWIM message
 OPS = ("ping", "ping-req", "ack", "gossip")
@@ -238,6 +238,15 @@ def _parse(msg: Any, me: str) -> tuple[str, str, int, int, str | None, list[tupl
     return op, msg.sender, inc, seq, target, updates
 
 
+def check(msg: SwimMessage, me: str) -> None:
+    """Raise ValueError naming the reason (as :attr:`Swim.rejected` counts it) when
+    :meth:`Swim.receive` on node ``me`` would reject ``msg``; nothing else is done."""
+    try:
+        _parse(msg, me)
+    except _Bad as e:
+        raise ValueError(e.args[0]) from None
+
+
 @dataclass
 class _Probe:
     target: str
@@ -350,6 +359,20 @@ class Swim:
             raise ValueError(f"join needs a node id and an incarnation in 0..2**63-1, got {(member, incarnation)!r}")
         if member != self.id:
             self._apply(member, ALIVE, incarnation, now)
+
+    def remove(self, member: str) -> None:
+        """The owner dropped ``member`` for reasons of its own (it said goodbye, or it
+        left the owner's member table): it is recorded as left at its incarnation,
+        no longer probed, without an event or an announcement (a later life, at a
+        higher incarnation, is alive again). Unknown or already left: nothing."""
+        rec = self._table.get(member)
+        if rec is None or rec[0] == LEFT:
+            return
+        rec[0] = LEFT
+        self._timers.pop(member, None)
+        self._queue.pop(member, None)
+        self._drop_live(member)
+        self._dead.pop(member, None)
 
     def leave(self, now: float) -> list[SwimMessage]:
         """This node leaves: it spreads ``left`` about itself (sent now to ``gossip_nodes``

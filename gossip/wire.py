@@ -45,7 +45,8 @@ VERSION = 1
 PREFIX = b"GSP/"
 TAG = PREFIX + str(VERSION).encode()
 KINDS = frozenset({"state", "hello", "members", "ping", "pong", "bye", "state-request", "state-reply",
-                   "average"})
+                   "average", "swim"})
+SWIM_OPS = frozenset({"ping", "ping-req", "ack", "gossip"})  # gossip.swim.OPS: a swim message's x["op"]
 DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 MAX_HEADER = 64 * 1024
 MAX_FRAMES = 2 + 65536  # with 1 MiB chunks: 64 GiB; ZeroMQ's MAXMSGSIZE bounds the real total
@@ -216,6 +217,13 @@ def decode(frames: Sequence[Any]) -> Message:
             raise WireError("weight", "push-sum weight must be finite and positive")
         weight = float(weight)
     extra = _scalars(h.get("x", {}), "x")
+    if kind == "swim":
+        # the failure detector's messages (gossip/swim.py): fields only, each checked by
+        # the control plane (gossip.swim.check, gossip.control.parse_control)
+        if "codec" in h or weight is not None or nframes != 2:
+            raise WireError("swim", "a swim message carries no tensor and no push-sum weight")
+        if extra.get("op") not in SWIM_OPS:
+            raise WireError("swim", f"unknown swim op {str(extra.get('op'))[:32]!r}")
     data = None
     if "codec" in h:
         codec = h["codec"]

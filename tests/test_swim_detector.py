@@ -1,0 +1,322 @@
+"""SWIM as the control plane's failure detector (gossip/swim_detector.py).
+
+Unit tests run real :class:`~gossip.control.ControlPlane` objects that exchange
+real encoded wire frames on a virtual clock (deterministic, well under a second
+each); the simulated cluster runs the whole peer (gossip.simcluster); the last
+tests run real ``gossip-node --detector swim`` processes on loopback.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import signal
+import threading
+from collections import Counter
+
+import pytest
+import torch
+
+import gossip
+from gossip import wire
+from gossip.checkpoint import latest_checkpoint, load_checkpoint
+from gossip.control import ControlPlane
+from gossip.detector import HeartbeatDetector
+from gossip.membership import Membership
+from gossip.message import Message
+from gossip.peer import PeerConfig
+from gossip.simcluster import SimCluster, node_id
+from gossip.swim import ALIVE, DEAD
+from gossip.swim_detector import SwimDetector, swim_options
+from tests.cluster import Cluster, free_port, wait_for_step
+
+torch.set_num_threads(1)
+
+FP = "fp"
+TICK = 0.1  # the transport's tick (min(0.1, heartbeat / 2))
+
+
+class Net:
+    """``n`` control planes (waiting to start, all ids known through a ring of seeds)
+    on one event queue: a tick each TICK s (own phase), frames after ``latency``,
+    lost with probability ``loss``. Crashed and paused nodes neither tick nor receive."""
+
+    def __init__(self, n: int, *, detector: str = "swim", seed: int = 0, loss: float = 0.0,
+                 heartbeat: float = 0.5, dead_after: float = 3.0, latency: float = 0.002) -> None:
+        self.ids = [f"127.0.0.1:{7000 + i}" for i in range(n)]
+        self.rng = random.Random(seed)
+        self.loss, self.latency = loss, latency
+        self.now = 0.0
+        self.queue: list = []
+        self.order = 0
+        self.down: set[int] = set()
+        self.dead_at: dict[int, list[tuple[float, str]]] = {i: [] for i in range(n)}  # tick() verdicts, when
+        self.kinds: Counter[str] = Counter()
+        self.planes: list[ControlPlane] = []
+        for i, me in enumerate(self.ids):
+            m = Membership(me, 1000 * (i + 1), FP, dead_after=dead_after)
+            cp = ControlPlane(me, m.incarnation, FP, "", m, threading.RLock(), self._sender(i), lambda msg: None,
+                              lambda: ("waiting", 0, 0), heartbeat=heartbeat, seeds=(self.ids[(i + 1) % n],),
+                              clock=lambda: self.now, detector=detector)
+            self.planes.append(cp)
+            self._push(self.rng.uniform(0, TICK), ("tick", i, None))
+
+    def _push(self, t: float, item: tuple) -> None:
+        heapq.heappush(self.queue, (t, self.order, item))
+        self.order += 1
+
+    def _sender(self, i: int):
+        def send(dst: str, msg: Message) -> None:
+            self.kinds[msg.kind] += 1
+            if self.loss and self.rng.random() < self.loss:
+                return
+            self._push(self.now + self.latency, ("frames", self.ids.index(dst), (self.ids[i], wire.encode(msg))))
+        return send
+
+    def run(self, until: float) -> None:
+        while self.queue and self.queue[0][0] <= until:
+            self.now, _, (kind, i, item) = heapq.heappop(self.queue)
+            if kind == "tick":
+                self._push(self.now + TICK, ("tick", i, None))
+            if i in self.down:
+                continue
+            if kind == "tick":
+                for mid in self.planes[i].tick(self.now):
+                    self.dead_at[i].append((self.now, mid))
+            else:
+                sender, frames = item
+                self.planes[i].on_frames(sender.encode(), frames)
+        self.now = until
+
+    def members(self, i: int) -> set[str]:
+        return set(self.planes[i].m.members)
+
+
+def test_a_crashed_member_becomes_a_removal_within_the_bound():
+    n, heartbeat, dead_after = 5, 0.5, 3.0
+    net = Net(n, heartbeat=heartbeat, dead_after=dead_after)
+    net.run(10.0)
+    assert all(net.members(i) == set(net.ids) for i in range(n))
+    assert all(isinstance(p.detector, SwimDetector) for p in net.planes)
+    net.down.add(n - 1)  # a crash: it sends nothing more
+    crashed = 10.0
+    # every survivor probes it within two passes of its probe order, the probe fails at
+    # the end of its period, and the suspicion runs out; a second of slack for the spread
+    opts = swim_options(heartbeat, dead_after)
+    bound = 2 * (n - 1) * heartbeat + heartbeat + opts.suspicion_timeout(n) + 1.0
+    net.run(crashed + bound)
+    for i in range(n - 1):
+        when = [t for t, mid in net.dead_at[i] if mid == net.ids[-1]]
+        assert len(when) == 1, (i, net.dead_at[i])
+        # no sooner than a failed probe plus the suspicion: it is not declared on a whim
+        assert crashed + opts.suspicion_timeout(n) <= when[0] <= crashed + bound, when
+        assert net.ids[-1] not in net.members(i)
+        assert net.planes[i].detector.state(net.ids[-1])[0] == DEAD
+    assert all(not d for i, d in net.dead_at.items() if i < n - 1 for t, mid in d if mid != net.ids[-1])
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.1])
+def test_members_that_answer_are_never_removed(loss):
+    net = Net(6, seed=3, loss=loss)
+    net.run(60.0)
+    assert all(net.members(i) == set(net.ids) for i in range(6)), [net.members(i) for i in range(6)]
+    assert all(not d for d in net.dead_at.values()), net.dead_at
+    assert all(p.rejected == Counter() for p in net.planes)
+
+
+def test_swim_sends_no_all_to_all_pings_and_its_traffic_does_not_grow_with_n():
+    per_node = {}
+    for n in (4, 16):
+        for det in ("heartbeat", "swim"):
+            net = Net(n, detector=det)
+            net.run(20.0)  # settled: every member known
+            assert all(net.members(i) == set(net.ids) for i in range(n))
+            before = sum(net.kinds.values())
+            if det == "swim":
+                assert net.kinds["ping"] == 0
+            net.run(40.0)
+            per_node[det, n] = (sum(net.kinds.values()) - before) / n / 20.0
+    # heartbeat: n - 1 pings per heartbeat; SWIM: a ping and about an ack per period
+    assert per_node["heartbeat", 16] > 3.5 * per_node["heartbeat", 4]
+    assert per_node["swim", 16] < 1.5 * per_node["swim", 4] and per_node["swim", 16] < 6, per_node
+
+
+def test_status_round_and_member_digest_ride_on_the_swim_messages():
+    net = Net(3)
+    progress = {"s": ("training", 7, 70)}
+    net.planes[0].progress = lambda: progress["s"]
+    net.run(10.0)
+    for i in (1, 2):
+        m = net.planes[i].m.members[net.ids[0]]
+        assert (m.status, m.round, m.step) == ("training", 7, 70)
+        assert net.planes[i].digests[net.ids[0]] == net.planes[0].m.digest()
+    assert net.kinds["ping"] == 0
+    progress["s"] = ("done", 9, 90)
+    net.run(16.0)
+    assert all(net.planes[i].m.members[net.ids[0]].status == "done" for i in (1, 2))
+
+
+def _swim_plane(me: str = "127.0.0.1:7000", inc: int = 1000):
+    m = Membership(me, inc, FP, dead_after=3.0)
+    sent: list[tuple[str, Message]] = []
+    cp = ControlPlane(me, inc, FP, "", m, threading.RLock(), lambda d, msg: sent.append((d, msg)),
+                      lambda msg: None, lambda: ("waiting", 0, 0), heartbeat=0.5, detector="swim")
+    return cp, m, sent
+
+
+def _swim(sender: str, life: int, **fields) -> Message:
+    return Message("swim", sender, 0, 0, 0, None, None,
+                   {"status": "waiting", "life": life, "inc": life, **fields}, FP)
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_events_about_an_older_life_of_a_member_are_ignored(restart):
+    cp, m, _ = _swim_plane()
+    b, x = "127.0.0.1:7001", "127.0.0.1:7002"
+    for peer, life in ((b, 2000), (x, 3000)):
+        cp.apply(cp.handle(_swim(peer, life, op="ping", seq=1), 1.0))
+    cp.tick(1.0)
+    assert set(m.members) == {cp.id, b, x} and cp.detector.state(x) == (ALIVE, 3000)
+    # b says x's life 3000 is dead: an event of SWIM's, taken at the next tick
+    cp.apply(cp.handle(_swim(b, 2000, op="gossip", uid=[x], ust=["dead"], uinc=[3000]), 1.1))
+    if restart:  # meanwhile the member table learns x's new life (its hello, a member list)
+        m.heard(x, 4000, 1.15)
+    dead = cp.tick(1.2)
+    if restart:
+        assert dead == [] and x in m.members and m.members[x].incarnation == 4000
+        assert cp.detector.ignored_events == 1
+        assert cp.detector.state(x) == (ALIVE, 4000)  # the new life joined SWIM
+    else:
+        assert dead == [x] and x not in m.members
+
+
+def test_a_member_declared_dead_that_speaks_again_is_readmitted():
+    net = Net(3)
+    net.run(10.0)
+    net.down.add(2)  # paused: silent, but alive
+    net.run(20.0)
+    assert all(net.ids[2] not in net.members(i) for i in (0, 1))
+    net.down.clear()  # it runs again: it hears it is dead, refutes, and speaks
+    net.run(30.0)
+    assert all(net.members(i) == set(net.ids) for i in range(3)), [net.members(i) for i in range(3)]
+    for i in (0, 1):
+        state, inc = net.planes[i].detector.state(net.ids[2])
+        assert state == ALIVE and inc > net.planes[2].m.incarnation  # refuted above its death
+
+
+def test_a_new_life_of_this_node_starts_a_fresh_detector():
+    cp, m, _ = _swim_plane()
+    cp.apply(cp.handle(_swim("127.0.0.1:7001", 2000, op="ping", seq=1), 1.0))
+    cp.tick(1.0)
+    old = cp.detector.swim
+    with cp.lock:
+        cp.new_life(5000)
+        m.new_life(5000)
+    assert cp.detector.swim is not old and cp.detector.swim.incarnation == 5000
+    cp.tick(1.1)
+    assert cp.detector.state("127.0.0.1:7001") == (ALIVE, 2000)  # members joined again from the table
+
+
+def test_the_default_is_the_heartbeat_detector_and_a_bad_name_is_refused():
+    m = Membership("127.0.0.1:7000", 1, FP)
+    cp = ControlPlane("127.0.0.1:7000", 1, FP, "", m, threading.RLock(), lambda d, msg: None, lambda msg: None,
+                      lambda: ("waiting", 0, 0))
+    assert isinstance(cp.detector, HeartbeatDetector)
+    assert PeerConfig(listen="127.0.0.1:7000").detector == "heartbeat"
+    with pytest.raises(ValueError, match="detector must be one of heartbeat, swim, got 'gossipy'"):
+        PeerConfig(listen="127.0.0.1:7000", detector="gossipy")
+    # a heartbeat node counts a swim message as a bad control message and changes nothing
+    cp.on_frames(b"127.0.0.1:7001", wire.encode(_swim("127.0.0.1:7001", 5, op="ping", seq=1)))
+    assert cp.rejected == Counter({"control": 1}) and set(m.members) == {"127.0.0.1:7000"}
+
+
+def test_gossip_node_detector_flag_bad_value_exits_2(capsys):
+    from gossip.cli import node_main
+
+    with pytest.raises(SystemExit) as e:
+        node_main(["--listen", f"tcp://127.0.0.1:{free_port()}", "--detector", "gossipy"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--detector" in err and "'heartbeat', 'swim'" in err
+
+
+# -- the whole peer, simulated (gossip.simcluster) ------------------------------------------------
+
+def test_simulated_crash_with_swim_is_detected_and_the_others_finish(caplog):
+    steps = 600
+    c = SimCluster(4, steps=steps, detector="swim")
+    c.crash(3, at=3.0)
+    with caplog.at_level("WARNING", logger="gossip.membership"):
+        c.run(until=120.0)
+    # the detector's verdict, not a round timeout, removed it
+    assert caplog.text.count(f"member {node_id(3)} removed: silent") == 3, caplog.text[-3000:]
+    rs = c.results()
+    assert rs[3]["exit"] == "crashed"
+    for r in rs[:3]:
+        assert r["exit"] == "done" and r["steps"] == steps and r["members"] == 3, r
+        assert node_id(3) not in r["member_ids"] and r["rejected"] == {}, r
+
+
+def test_simulated_run_with_swim_ends_where_heartbeat_does():
+    out = {}
+    for det in ("heartbeat", "swim"):
+        c = SimCluster(3, steps=40, detector=det)
+        c.run(until=60.0)
+        rs = c.results()
+        assert all(r["exit"] == "done" and r["members"] == 3 for r in rs), rs
+        out[det] = [r["params_sha256"] for r in rs]
+    assert out["swim"] == out["heartbeat"] and None not in out["swim"]
+
+
+# -- real processes --------------------------------------------------------------------------------
+
+FAST = ["--heartbeat", "0.25", "--dead-after", "2", "--settle", "1", "--grace", "5", "--timeout", "5"]
+
+
+def ring(ports, i, steps, *extra):
+    return ["--peers", f"127.0.0.1:{ports[(i + 1) % len(ports)]}", "--topology", "ring", "--algorithm", "gossip",
+            "--task", "synthetic", "--steps", str(steps), "--seed", "0", "--json", *FAST, *extra]
+
+
+@pytest.mark.slow
+def test_real_nodes_with_swim_detect_a_kill_and_finish_without_it(tmp_path):
+    n, steps = 4, 600
+    ports = [free_port() for _ in range(n)]
+    metrics = tmp_path / "n0.jsonl"
+    with Cluster(tmp_path) as c:
+        nodes = [c.start(f"n{i}", ring(ports, i, steps, "--detector", "swim",
+                                       *(["--log", str(metrics), "--eval-every", "25"] if i == 0 else [])),
+                         port=ports[i]) for i in range(n)]
+        wait_for_step(metrics, 100, 240)
+        victim = nodes[2]
+        victim.proc.send_signal(signal.SIGKILL)  # no goodbye: a crash
+        assert victim.proc.wait(10) == -signal.SIGKILL
+        survivors = [x for x in nodes if x is not victim]
+        for x in survivors:
+            assert x.wait(240) == 0, x.log()[-3000:]
+        summaries = [x.summary() for x in survivors]
+        logs = [x.log() for x in survivors]
+    gone = f"member {victim.addr} removed: silent"
+    assert any(gone in log for log in logs), logs[0][-3000:]
+    for s in summaries:
+        assert s["steps"] == steps and s["members"] == n - 1 and s["rejected"] == {}, s
+
+
+@pytest.mark.slow
+def test_real_nodes_with_swim_end_where_heartbeat_nodes_do(tmp_path):
+    """Synchronous rounds, same seed and ranks: the same parameters whatever the detector."""
+    steps, n = 6, 3
+    flats = {}
+    for det in ("heartbeat", "swim"):
+        ports = sorted(free_port() for _ in range(n))  # sorted ids = the same ranks in both runs
+        with Cluster(tmp_path) as c:
+            nodes = [c.start(f"{det}{i}", ring(ports, i, steps, "--detector", det, "--checkpoint-dir",
+                                               str(tmp_path / f"{det}-ck{i}")), port=ports[i]) for i in range(n)]
+            assert c.wait_all(120) == [0] * n, [x.log()[-2000:] for x in nodes]
+            assert all(x.summary()["members"] == n for x in nodes)
+        flats[det] = [load_checkpoint(latest_checkpoint(tmp_path / f"{det}-ck{i}"))["flat"] for i in range(n)]
+    sim = gossip.simulate(nodes=n, topology="ring", algorithm="gossip", task="synthetic", steps=steps, seed=0,
+                          eval_every=steps)
+    for rank in range(n):
+        assert torch.equal(flats["heartbeat"][rank], flats["swim"][rank])
+        torch.testing.assert_close(flats["swim"][rank], sim.params[rank], rtol=1e-5, atol=1e-6)
