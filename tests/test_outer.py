@@ -544,3 +544,26 @@ def test_fragments_are_refused_with_asynchronous_and_push_sum_rules():
                           ({"algorithm": "push-sum"}, "cannot be used with push-sum")]:
         with pytest.raises(ValueError, match=needle):
             MixingSettings(outer="nesterov:fragments=2", **extra)
+
+
+def test_overlapped_pseudograd_keeps_the_inner_steps_made_while_the_round_travelled():
+    from topologies import build
+
+    from gossip.mixing import Inbox
+    from gossip.mixing.pseudograd import PseudoGradientRule
+
+    topo = build("complete", 1)
+    rule = PseudoGradientRule("none", OuterSpec("nesterov", 0.7, 0.9, "pseudograd"))
+    rule.overlap = True
+    x = torch.zeros(3)
+    rule.on_adopt(x)
+    x += torch.tensor([1.0, 2.0, 3.0])          # Delta = phi - theta = -(1, 2, 3)
+    rule.outgoing(x, topo, 0, 0)
+    x += 10.0                                   # the next inner steps, while round 0 travels
+    rule.mix(x, Inbox(), topo, 0, 0, 10)
+    g = -torch.tensor([1.0, 2.0, 3.0])
+    phi = -0.7 * (g + 0.9 * g)
+    assert torch.allclose(rule.anchor, phi)
+    assert torch.allclose(x, phi + 10.0)
+    rule.outgoing(x, topo, 0, 1)                # the next pseudo-gradient: only the 10 made since
+    assert torch.allclose(rule._own[1], torch.full((3,), -10.0))
