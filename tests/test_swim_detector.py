@@ -9,6 +9,7 @@ tests run real ``gossip-node --detector swim`` processes on loopback.
 from __future__ import annotations
 
 import heapq
+import json
 import random
 import signal
 import threading
@@ -320,3 +321,12 @@ def test_real_nodes_with_swim_end_where_heartbeat_nodes_do(tmp_path):
     for rank in range(n):
         assert torch.equal(flats["heartbeat"][rank], flats["swim"][rank])
         torch.testing.assert_close(flats["swim"][rank], sim.params[rank], rtol=1e-5, atol=1e-6)
+
+
+def test_detector_traffic_benchmark_runs_and_ends_with_its_json_line(capsys):
+    from benchmarks.detector_traffic import main
+
+    assert main(["--nodes", "4", "--warmup", "6", "--seconds", "4"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for det in ("heartbeat", "swim"):
+        assert 0 < result["msgs_per_node_s"][det]["4"] < 10 and 0 < result["detect_s"][det]["4"] < 10, result
