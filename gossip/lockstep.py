@@ -171,7 +171,8 @@ class Lockstep:
         self.node_now = np.zeros(n, dtype=np.float64)
         self.finished = np.zeros(n, dtype=bool)
         self.busy = np.zeros(len(self.pairs), dtype=np.float64)
-        self.rounds_run = 0
+        self._links = dict(sim.network.links)  # what the schedule was computed for
+        self._nodes = list(nodes)
 
     # -- the schedule ---------------------------------------------------------------------------
     def _size(self, i: int, seq: int, rnd: int, step: int) -> int:
@@ -282,6 +283,12 @@ class Lockstep:
     def run(self, until: float | None = None) -> None:
         """Process every event up to simulated time ``until`` (or to the end), as the event loop would."""
         sim = self.sim
+        network = sim.network
+        if network._group or network.links != self._links or sim.faults or \
+                any(a is not b for a, b in zip(sim.nodes, self._nodes)):
+            raise RuntimeError("the network, the faults or the nodes changed during a lockstep run, which its "
+                               "schedule cannot follow; run with engine 'batched' or 'per-node' to change them "
+                               "mid-run")
         try:
             while self._phase is not None:
                 ph = self._phase

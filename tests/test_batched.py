@@ -505,3 +505,22 @@ def test_lockstep_mixing_is_the_product_of_the_mixing_matrices(topology):
     assert (finals["per-node"] - x).abs().max() < 2e-5
     assert (finals["lockstep"] - x).abs().max() < 2e-5
     assert (x - start.double()).abs().max() > 0.5  # the nodes moved a long way towards their average
+
+
+def test_a_network_changed_mid_run_is_refused_in_lockstep():
+    sim = Simulation(SimConfig(nodes=8, topology="ring", task="synthetic", steps=100))
+    assert sim.engine == "lockstep"
+    sim.run(until=0.3)
+    steps = [n.step for n in sim.nodes]
+    sim.network.partition([[0, 1, 2, 3], [4, 5, 6, 7]])
+    with pytest.raises(RuntimeError, match="changed during a lockstep run.*engine 'batched'"):
+        sim.run(until=0.6)
+    assert [n.step for n in sim.nodes] == steps and sim.now == 0.3  # nothing ran
+    sim.network.partition(None)
+    assert sim.run().result().summary["steps"] == 100  # undisturbed, it goes on
+    # the event-loop engine follows the partition: messages across it are lost
+    ev = Simulation(SimConfig(nodes=8, topology="ring", task="synthetic", steps=100, engine="batched"))
+    ev.run(until=0.3)
+    ev.network.partition([[0, 1, 2, 3], [4, 5, 6, 7]])
+    ev.run(until=0.6)
+    assert ev.network.lost > 0
