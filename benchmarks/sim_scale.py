@@ -22,6 +22,7 @@ Ends with one JSON line: ``{"wall_s_1024x1000": ..., "max_nodes_8gib": ..., ...}
 (the key names the nodes and steps run).
 
     python benchmarks/sim_scale.py [--nodes 1024] [--steps 1000] [--memory-sizes 2048,8192] [--verify]
+        [--engine lockstep|batched]
     python benchmarks/sim_scale.py --quick        # a smoke test: 64 nodes x 20 steps, memory at 128 and 1024
 """
 
@@ -94,14 +95,14 @@ def engine_rates(nodes: int, steps: int, topology: str) -> dict[str, float]:
     return {e: spent[e] / steps for e in ENGINES}
 
 
-def peak_rss(nodes: int, steps: int, topology: str) -> int:
+def peak_rss(nodes: int, steps: int, topology: str, engine: str = "lockstep") -> int:
     """Peak resident bytes of a fresh process that builds ``nodes`` nodes and runs ``steps`` steps."""
     code = ("import resource, sys, torch; sys.path[:0] = [%r, %r]; torch.set_num_threads(1)\n"
             "from sim_scale import config, memory_task\n"
             "from gossip.api import Simulation\n"
-            "r = Simulation(config(%d, %d, 'lockstep', %r, memory_task(%d))).run().result()\n"
-            "assert r.summary['engine'] == 'lockstep'\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n") % (str(ROOT), str(ROOT / "benchmarks"), nodes, steps, topology, nodes)
+            "r = Simulation(config(%d, %d, %r, %r, memory_task(%d))).run().result()\n"
+            "assert r.summary['engine'] == %r\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n") % (str(ROOT), str(ROOT / "benchmarks"), nodes, steps, engine, topology, nodes, engine)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1]) * 1024  # Linux reports KiB
 
@@ -111,6 +112,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--topology", default="ring")
+    ap.add_argument("--engine", default="lockstep", choices=("lockstep", "batched"),
+                    help="the engine of the timed run and the memory fit (default: lockstep)")
     ap.add_argument("--per-node-steps", type=int, default=10, help="steps of the side-by-side engine comparison")
     ap.add_argument("--memory-sizes", default="2048,8192", help="two node counts for the memory fit")
     ap.add_argument("--memory-steps", type=int, default=3)
@@ -126,8 +129,8 @@ def main() -> None:
 
     torch.set_num_threads(1)  # the simulator's default (SimConfig.threads)
     load = os.getloadavg()[0]
-    run = time_run(args.nodes, args.steps, args.topology)
-    print(f"{args.nodes} nodes x {args.steps} steps ({args.topology}, lockstep): {run['wall_s']:.1f} s wall "
+    run = time_run(args.nodes, args.steps, args.topology, args.engine)
+    print(f"{args.nodes} nodes x {args.steps} steps ({args.topology}, {args.engine}): {run['wall_s']:.1f} s wall "
           f"({run['setup_s']:.1f} s setup, {run['flushes']} vectorised steps), accuracy {run['accuracy']:.3f}",
           flush=True)
     rates = engine_rates(args.nodes, args.per_node_steps, args.topology)
@@ -135,7 +138,7 @@ def main() -> None:
     print(f"per mean step of all nodes, {args.per_node_steps} steps interleaved: per-node engine "
           f"{per_node * 1e3:.0f} ms, batched {batched * 1e3:.0f} ms, lockstep {lockstep * 1e3:.0f} ms "
           f"(lockstep {per_node / lockstep:.1f}x per-node, {batched / lockstep:.1f}x batched)", flush=True)
-    peaks = [peak_rss(n, args.memory_steps, args.topology) for n in sizes]
+    peaks = [peak_rss(n, args.memory_steps, args.topology, args.engine) for n in sizes]
     per_node_bytes = (peaks[1] - peaks[0]) / (sizes[1] - sizes[0])
     if per_node_bytes <= 0:
         sys.exit(f"peak memory did not grow from {sizes[0]} to {sizes[1]} nodes ({peaks}); use larger --memory-sizes")
@@ -149,6 +152,7 @@ def main() -> None:
         "nodes": args.nodes,
         "steps": args.steps,
         "topology": args.topology,
+        "engine": args.engine,
         "setup_s": round(run["setup_s"], 2),
         "final_accuracy": round(run["accuracy"], 4),
         "per_node_ms_per_step": round(per_node * 1e3, 2),
@@ -160,7 +164,7 @@ def main() -> None:
         "load_avg_1min": [round(load, 2), round(os.getloadavg()[0], 2)],  # at the start and the end
     }
     if args.verify:
-        peak = peak_rss(max_nodes, args.memory_steps, args.topology)
+        peak = peak_rss(max_nodes, args.memory_steps, args.topology, args.engine)
         result["verified_peak_gib"] = round(peak / GIB, 3)
         result["verified_fits_8gib"] = peak <= LIMIT  # the fit is linear; the last few percent may not be
         print(f"verified: {max_nodes} nodes peaked at {peak / GIB:.2f} GiB "
