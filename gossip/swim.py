@@ -99,6 +99,7 @@ class SwimOptions:
     probe_timeout: float = 0.2     # wait for a direct ack before asking others
     indirect: int = 3              # members asked to probe for us (k)
     suspicion_mult: float = 1.0    # suspicion timeout = mult * max(1, log10 n) * period
+    suspicion_min: float = 0.0     # ... and at least this many seconds (a control plane's --dead-after)
     gossip_interval: float = 0.1   # how often news is pushed, while there is any
     gossip_nodes: int = 3          # members each push goes to
     retransmit_mult: int = 4       # each update is sent mult * ceil(log10(n + 1)) times by each node
@@ -111,6 +112,9 @@ class SwimOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        if isinstance(self.suspicion_min, bool) or not isinstance(self.suspicion_min, (int, float)) \
+                or not (math.isfinite(self.suspicion_min) and self.suspicion_min >= 0):
+            raise ValueError(f"suspicion_min must be a finite number >= 0, got {self.suspicion_min!r}")
         if self.probe_timeout >= self.period:
             raise ValueError(f"probe_timeout must be in (0, period={self.period}) seconds, got {self.probe_timeout!r}")
         for name, lo, hi in (("indirect", 0, 64), ("gossip_nodes", 1, 64), ("retransmit_mult", 1, 64),
@@ -125,7 +129,7 @@ class SwimOptions:
         >>> SwimOptions().suspicion_timeout(1000)
         1.5
         """
-        return self.suspicion_mult * max(1.0, math.log10(max(n, 1))) * self.period
+        return max(self.suspicion_min, self.suspicion_mult * max(1.0, math.log10(max(n, 1))) * self.period)
 
     def retransmit_limit(self, n: int) -> int:
         """How many times each node sends one update in an ``n``-node cluster.

@@ -30,9 +30,10 @@ round announced, as for a silent member today), ``suspect`` is logged,
 re-admits a member declared dead on direct contact, as it does today).
 
 Timing: the probe period is ``heartbeat``; a suspect member is declared dead
-after ``max(1, (dead_after - heartbeat) / heartbeat) * max(1, log10 n)``
-periods, so that up to 10 members a crash becomes a removal about
-``dead_after`` after the first probe it fails to answer.
+after ``max(dead_after - heartbeat, max(1, log10 n) * heartbeat)`` seconds
+(SWIM's own timeout, memberlist's scaling, is the second term), so a crash
+becomes a removal about ``dead_after`` after the first probe it fails to
+answer, at any size up to 10^5 members at the defaults.
 """
 
 from __future__ import annotations
@@ -57,12 +58,11 @@ def swim_options(heartbeat: float, dead_after: float) -> SwimOptions:
     """SWIM's timing from the node's ``heartbeat`` and ``dead_after`` (see the module docstring).
 
     >>> o = swim_options(0.5, 3.0)
-    >>> o.period, o.probe_timeout, o.suspicion_timeout(4)
-    (0.5, 0.2, 2.5)
+    >>> o.period, o.probe_timeout, o.suspicion_timeout(4), o.suspicion_timeout(1024), o.suspicion_timeout(10**6)
+    (0.5, 0.2, 2.5, 2.5, 3.0)
     """
     return SwimOptions(period=heartbeat, probe_timeout=min(0.2, 0.4 * heartbeat),
-                       suspicion_mult=max(1.0, (dead_after - heartbeat) / heartbeat),
-                       gossip_interval=min(0.1, heartbeat))
+                       suspicion_min=max(0.0, dead_after - heartbeat), gossip_interval=min(0.1, heartbeat))
 
 
 class SwimDetector:
