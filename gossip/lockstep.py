@@ -71,11 +71,13 @@ class LockstepRefused(ValueError):
 class Phase:
     """Events of one kind, one per node (or per message for DELIVER), in processing order.
 
+    kind : what each node does at its event: START (start a local step), STEP (a
+        step ended: start the next), SEND (a step ended: send the round's messages),
+        FINISH (the last step ended), DELIVER (a message arrives; its receiver mixes
+        at its last one)
     times : the events' virtual times in processing order (non-decreasing)
-    order : node ids (DELIVER: message indices into ``edges``) in processing order
-    action : what each node does at its event (START/STEP: start a local step,
-        SEND: send its round's messages, FINISH: stop; DELIVER: receive, and mix at
-        its last message)
+    order : node ids (DELIVER: message indices into the round's ``_Graph`` arrays)
+        in processing order
     """
 
     kind: int
@@ -87,6 +89,7 @@ class Phase:
     sizes: Any = None        # SEND/DELIVER: bytes of each sender's message, by node
     then: int = STEP         # DELIVER: after mixing, STEP (start the next round) or FINISH
     mix_at: Any = None       # DELIVER: per node, the position in ``order`` of its last message
+    leave: Any = None        # SEND: per message, when it has left (its link is busy until then)
 
 
 class _Graph:
@@ -236,7 +239,7 @@ class Lockstep:
                 busy[g.pair] = leave
                 arrive = leave + g.latency
                 yield Phase(SEND, times, order, step=s, rnd=r, graph=r % len(self.graphs), sizes=sizes,
-                            mix_at=leave)
+                            leave=leave)
             order = np.lexsort((g.sub, rank[g.eu], arrive))
             times = arrive[order]
             if times[0] <= last_max:
@@ -357,7 +360,7 @@ class Lockstep:
         sel = sending[g.eu]
         self.seq[ids] += g.outdeg[ids] > 0
         self.bytes_sent[ids] += ph.sizes[ids] * g.outdeg[ids]
-        self.busy[g.pair[sel]] = ph.mix_at[sel]
+        self.busy[g.pair[sel]] = ph.leave[sel]
         network = self.sim.network
         nbytes = np.bincount(g.cls[sel], weights=ph.sizes[g.eu[sel]], minlength=len(g.classes))
         count = np.bincount(g.cls[sel], minlength=len(g.classes))
