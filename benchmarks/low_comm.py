@@ -32,7 +32,13 @@ its bandwidth (messages on links inside a datacenter taken as free); DDP's step 
 its compute plus a ring all-reduce whose ring crosses the link: 2 (n - 1) latencies
 plus 2 (n - 1) / n of the model over the bandwidth.
 
-    python benchmarks/low_comm.py [--seeds 3] [--long] [--rows diloco,localsgd,...]
+    python benchmarks/low_comm.py [--seeds 3] [--first-seed 0] [--long] [--rows diloco,localsgd,...]
+                                  [--row NAME=TOPOLOGY;OUTER;CODEC] [--cache DIR]
+
+Every row runs on the simulator's batched engine (one vectorised step for the 8
+replicas). ``--cache DIR`` keeps each row's result per seed and form, so the rows
+of one table can run in several invocations (the last one assembles the table);
+``--first-seed`` and ``--row`` are for choosing settings on a seed no reported run uses.
 
 The default form is H = 10 with 100 outer steps; ``--long`` is H = 50 with 100 outer
 steps. Ends with one JSON line holding the means over seeds: ``diloco_loss_over_ddp``,
