@@ -19,29 +19,33 @@ The real driver (:class:`gossip.peer.Peer`) answers with ``time.monotonic`` and
 a ZeroMQ I/O thread; the simulated one (:mod:`gossip.simcluster`) with a
 virtual clock over a simulated network. Messages that arrive for the
 training side go to :meth:`Lifecycle.handle`.
+
+Parts, each owning its state: :class:`Lifecycle` (status, the node, new lives,
+the training loop), :class:`~gossip.joining.Joining` (the join round, the
+state pull, ``--resume``), :class:`~gossip.control.ControlPlane` (member lists,
+with its failure detector) over the :class:`~gossip.membership.Membership` table.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Callable, Generator
+from typing import Any, Callable
 
 import torch
 
-from gossip.checkpoint import checkpoint_step, latest_checkpoint, load_checkpoint, load_members, save_checkpoint, save_members
+from gossip.checkpoint import checkpoint_step, latest_checkpoint, load_members, save_checkpoint, save_members
 from gossip.compression import get_codec
 from gossip.control import ControlPlane
+from gossip.joining import Joining, sha256_of
 from gossip.membership import Membership, out_of_step, parse_address, topology_for
 from gossip.message import Message
-from gossip.mixing.base import all_finite, decode_payload
 from gossip.mixing.settings import build_rules
 from gossip.node import Compute, Node, NodeConfig, Wait
+from gossip.program import POLL0, PeerError, Poll, Program
 
-__all__ = ["Poll", "Lifecycle", "PeerError", "LATE_ROUNDS"]
+__all__ = ["Poll", "POLL0", "Program", "Lifecycle", "PeerError", "LATE_ROUNDS"]
 
 log = logging.getLogger("gossip.peer")
 
@@ -49,30 +53,11 @@ LATE_ROUNDS = 3  # synchronous rounds timed out in a row before the node looks f
 POLL = 0.05  # seconds between looks at the member table while waiting (a driver may wake earlier)
 
 
-class PeerError(RuntimeError):
-    """The node cannot take part (e.g. every peer runs a different model)."""
-
-
-@dataclass(frozen=True)
-class Poll:
-    """Handle arriving messages, resume within ``timeout`` seconds."""
-
-    timeout: float
-
-
-POLL0 = Poll(0.0)
-Program = Generator[Any, float, Any]
-
-
 def _is_address(text: str) -> bool:
     try:
         return parse_address(text) == text
     except ValueError:
         return False
-
-
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 class Lifecycle:
@@ -94,7 +79,7 @@ class Lifecycle:
 
     def __init__(self, cfg: Any, *, task: Any, device: torch.device, fingerprint: str, incarnation: int,
                  send: Callable[[str, Message], None], reconnect: Callable[[str], None],
-                 new_incarnation: Callable[[int], int], cap_bytes: int = 0, live_sends: bool = False,
+                 new_incarnation: Callable[[int], int], live_sends: bool = False,
                  origin: float = 0.0, clock: Callable[[], float] | None = None,
                  model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -120,7 +105,6 @@ class Lifecycle:
         self.status = "waiting"
         self.node: Node | None = None
         self.interrupted = False
-        self.joined = False
         self.rejoins = 0  # new lives started after the cluster declared this node dead while it was alive
         self.merges = 0  # of which: joining a stronger cluster met after a partition
         self.excluded: int | None = None  # the leave round the cluster announced for this (live) node
@@ -131,9 +115,6 @@ class Lifecycle:
         # cluster restarted as a whole starts at the furthest of its members' checkpoints
         ck = latest_checkpoint(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None
         self.resume_step = checkpoint_step(ck) if ck is not None else 0
-        self.state_from: str | None = None
-        self.state_step = 0  # the step of the member state taken (state_from's)
-        self.resumed_from: str | None = None
         self.rank: int | None = None
         self.world_size: int | None = None
         self.train_seconds = 0.0
@@ -144,7 +125,6 @@ class Lifecycle:
         self.node_rejected: Counter[str] = Counter()
         self.topologies: dict[tuple, Any] = {}
         self.dcs: dict[str, str] = {}  # datacenter label of every member we trained with (bytes by link class)
-        self.state_replies: list[Message] = []
         # state messages that arrived before our node existed, with their sender's life then
         self.early: list[tuple[Message, int | None]] = []
         self.incarnations: dict[str, int | None] = {}  # sender -> the life whose sequence numbers we track
@@ -154,9 +134,15 @@ class Lifecycle:
         # with ``audit`` (the simulator's checks): (member, sha256) of every state handed over
         # to a joiner, and (donor, sha256) of the state this life took
         self.audit = False
-        self.on_node: Callable[[Node], None] | None = None  # called with each life's node once built
         self.handed: list[tuple[str, str]] = []
-        self.took: tuple[str, str] | None = None
+        self.on_node: Callable[[Node], None] | None = None  # called with each life's node once built
+        self.joining = Joining(self)  # joins: the round, the state pulled, --resume
+
+    # the join's outcome, as the reports read it
+    joined = property(lambda self: self.joining.joined)
+    state_from = property(lambda self: self.joining.state_from)
+    resumed_from = property(lambda self: self.joining.resumed_from)
+    took = property(lambda self: self.joining.took)
 
     # -- what the control plane asks --------------------------------------------------------
     def progress(self) -> tuple[str, int, int]:
@@ -268,7 +254,7 @@ class Lifecycle:
                 self.membership.start(self.membership.ids() if mode == "fresh" else [self.id])
         start_round = 0
         if mode == "join":
-            start_round = yield from self.await_join_round()
+            start_round = yield from self.joining.await_round()
         with self.lock:
             members = self.membership.at_round(start_round)
             if self.id not in members:
@@ -287,12 +273,12 @@ class Lifecycle:
         if self.on_node is not None:
             self.on_node(self.node)
         if mode == "join":
-            self.joined = True
-            yield from self.pull_state(start_round)
+            self.joining.joined = True
+            yield from self.joining.pull_state(start_round)
         if cfg.resume and not self.rejoins:  # a new life takes the cluster's state, not its own past
-            self.resume()
+            self.joining.resume()
         if cfg.resume and mode in ("fresh", "member"):
-            self.align_start(mode)
+            self.joining.align_start(mode)
         self.status = "training"
         with self.lock:
             self.membership.training = True
@@ -326,7 +312,7 @@ class Lifecycle:
             self.membership.new_life(self.incarnation, target=self.rejoin_cluster, now=now)
             self.status = "waiting"
             prior, self.node = self.node, None
-            self.state_replies.clear()
+            self.joining.replies.clear()
         try:
             yield from self.begin("join")
         except PeerError as e:
@@ -345,132 +331,6 @@ class Lifecycle:
             node.jump_to(state["step"])
             if node.optimizer is not None and state["optimizer"] is not None:
                 node.optimizer.load_state_dict(state["optimizer"])
-
-    def await_join_round(self) -> Program:
-        """The round the cluster scheduled for us (it answers our hello with it)."""
-        now = yield POLL0
-        deadline = now + max(self.cfg.join_timeout, 5 * self.cfg.heartbeat)
-        while now < deadline and not self.stop.is_set():
-            with self.lock:
-                m = self.membership
-                if self.id in m.joins:
-                    return m.joins[self.id]
-                others = m.others()
-                if m.target:  # joining another cluster: ask only its members
-                    others = [o for o in others if o in m.target]
-                # only a training member schedules a join: when all have finished (or said
-                # goodbye), nobody will, and waiting --join-timeout would only idle. Only what
-                # they said in this life counts (see Membership.finished)
-                if m.finished(m.target or others):
-                    raise PeerError("every member of the cluster it joins has finished training ("
-                                    + ", ".join(sorted(m.target or others)) + ")")
-            if self.rejoin_via is not None:  # the member that dropped us knows the running cluster
-                others = [self.rejoin_via, *(o for o in others if o != self.rejoin_via)]
-            self.control.hello_all(others[:3])
-            end = now + self.cfg.heartbeat
-            while now < end and self.id not in self.membership.joins:
-                now = yield Poll(end - now)
-        raise PeerError("the running cluster did not schedule our join (no answer to hello)")
-
-    def pull_state(self, start_round: int) -> Program:
-        """Wait until the cluster reaches our first round, then copy a member's state."""
-        node, cfg = self.node, self.cfg
-        assert node is not None
-        while not self.stop.is_set():
-            with self.lock:  # the members we train with (after a partition, others may count other rounds)
-                rounds = [m.round for k, m in self.membership.members.items() if k != self.id and k in node.members]
-            if not rounds or max(rounds) >= start_round - 1:
-                break
-            yield Poll(cfg.heartbeat / 2)
-        for attempt in range(6):
-            donors = [j for j in node.topology.in_weights(node.index, start_round) if j != node.index]
-            candidates = [node.members[j] for j in donors] or [m for m in node.members if m != self.id]
-            if not candidates:
-                break
-            donor = candidates[attempt % len(candidates)]
-            self.send_message(donor, Message("state-request", self.id, start_round, 0, 0, None, None,
-                                             {"inc": self.incarnation}, self.fingerprint))
-            now = yield POLL0
-            deadline = now + max(2.0, cfg.timeout)
-            while now < deadline and not self.state_replies:
-                now = yield Poll(min(POLL, deadline - now))
-            for reply in self.state_replies:
-                if reply.sender == donor and reply.data is not None \
-                        and reply.data.numel == node.handover_numel(reply.extra):
-                    values = decode_payload(reply, node.state.flat)
-                    if all_finite(values):
-                        node.adopt_handover(values, reply.extra)  # parameters, and any outer momentum
-                        if self.audit:
-                            self.took = (donor, _sha(node.state.flat))
-                        # a joiner that fell behind (slow start, a busy machine) starts at the
-                        # donor's round: the cluster went on without it, and its members drop
-                        # messages of rounds they have finished
-                        start_round = max(start_round, reply.round)
-                        node.jump_to(start_round * cfg.period)
-                        if reply.weight is not None and hasattr(node.rule, "weight"):
-                            node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
-                        self.state_from, self.state_step = donor, reply.progress
-                        log.info("%s: took the state of %s (its step %d); joining at round %d", self.id, donor,
-                                 reply.progress, start_round)
-                        self.state_replies.clear()
-                        return
-            self.state_replies.clear()
-            log.warning("%s: no state from %s yet; asking another member", self.id, donor)
-        node.jump_to(start_round * cfg.period)
-        log.warning("%s: no member sent its state; joining with a fresh model", self.id)
-
-    def align_start(self, mode: str) -> None:
-        """With --resume, start where the starters are: a cluster restarted as a whole
-        (each member from its own checkpoint, of different steps) at the furthest step
-        any of them reported while waiting; a starter that noticed the start late at
-        the earliest step the others train at (they wait for it in their round).
-        Synchronous rounds need every member in the same round. (Without --resume
-        everyone starts at step 0 and a late starter's neighbours wait for it there.)"""
-        node = self.node
-        assert node is not None
-        with self.lock:
-            steps = [m.step for k, m in self.membership.members.items() if k in node.members and k != self.id
-                     and (mode == "fresh" or m.status == "training")]
-        if not steps:
-            return
-        step = max([node.step, *steps]) if mode == "fresh" else min(steps)
-        if step != node.step:
-            log.info("%s: starting at step %d with the other starters (this node was at step %d)", self.id, step,
-                     node.step)
-            node.jump_to(step)
-
-    def resume(self) -> None:
-        """``--resume``: continue from the newest checkpoint. A node that joined a running
-        cluster keeps the cluster's round and step whatever the checkpoint says (its
-        members wait for this node's messages of their rounds, not of the checkpoint's);
-        it takes the checkpoint's parameters and optimizer state only when no member
-        sent a state, or the member's is older."""
-        node, cfg = self.node, self.cfg
-        assert node is not None and cfg.checkpoint_dir
-        path = latest_checkpoint(cfg.checkpoint_dir)
-        if path is None:
-            log.info("%s: --resume: no checkpoint in %s, starting fresh", self.id, cfg.checkpoint_dir)
-            return
-        state = load_checkpoint(path)
-        if state.get("fingerprint") != node.fingerprint:
-            raise ValueError(f"checkpoint {path} is for model fingerprint {state.get('fingerprint')!r}, "
-                             f"this node's model is {node.fingerprint!r}")
-        if not self.joined:
-            node.load_state_dict(state)
-            self.resumed_from = str(path)
-            log.info("%s: resumed from %s at step %d", self.id, path, node.step)
-            return
-        if self.state_from is not None and int(state["step"]) <= self.state_step:
-            log.info("%s: the member state (step %d) is newer than checkpoint %s (step %d); keeping it",
-                     self.id, self.state_step, path.name, state["step"])
-            return
-        node.adopt(state["flat"].to(self.device))
-        if node.optimizer is not None and state.get("optimizer") is not None:
-            node.optimizer.load_state_dict(state["optimizer"])
-        self.resumed_from = str(path)
-        log.info("%s: took the parameters of checkpoint %s (step %d, %s); training in the cluster's round %d",
-                 self.id, path.name, state["step"], "no member state" if self.state_from is None else
-                 f"the member state was of step {self.state_step}", node.round)
 
     # -- training ---------------------------------------------------------------------------
     def topology_for(self, members: list[str]) -> Any:
@@ -653,7 +513,7 @@ class Lifecycle:
                 return
             snap, extra = node.handover()  # the parameters, and any outer optimizer's momentum
             if self.audit:
-                self.handed.append((str(msg.sender), _sha(node.state.flat)))
+                self.handed.append((str(msg.sender), sha256_of(node.state.flat)))
             weight = getattr(node.rule, "weight", None)
             reply = Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
                             weight, {"inc": self.incarnation, **extra}, self.fingerprint)
@@ -663,10 +523,7 @@ class Lifecycle:
                 self.on_average(msg)
         elif msg.kind == "state-reply":
             # wanted only while a joiner pulls a state, and a few at most: each holds a whole model
-            if node is not None and self.status == "waiting" and msg.fingerprint == self.fingerprint \
-                    and len(self.state_replies) < 8:
-                self.state_replies.append(msg)
-            else:
+            if not self.joining.offer(msg):
                 self.control.reject(str(msg.sender), "unsolicited", "a state-reply nobody asked for")
 
     def incarnation_of(self, sender: str) -> int | None:

@@ -221,3 +221,16 @@ def test_the_mixing_audit_catches_a_message_filed_under_the_wrong_member():
     c.run(until=60.0)
     assert any("from 10.9.9.9:1" in v for v in c.procs[0].mix_violations), c.procs[0].mix_violations
     assert not c.procs[1].mix_violations and not c.procs[2].mix_violations
+
+
+def test_the_swim_detector_runs_in_the_simulated_cluster_too():
+    """The failure detector is a part the control plane is given: with SWIM, a crash is
+    detected and the survivors train on without it, as with heartbeats."""
+    c = SimCluster(6, steps=600, detector="swim")
+    c.crash(2, at=3.0)
+    c.run(until=120.0)
+    rs = c.results()
+    for i, r in enumerate(rs):
+        if i != 2:
+            assert r["exit"] == "done" and r["steps"] == 600 and r["members"] == 5, r
+            assert r["max_step_gap_s"] < FAST["dead_after"] + 1.5, r
