@@ -142,7 +142,10 @@ class BatchStream:
         indexes the shared tensors itself)."""
         pos, size = self._pos, self.batch_size
         if pos + size > self._order_len:
-            self._order = self.shard[torch.randperm(self._len, generator=self.generator)]
+            if self._len == 1:  # randperm(1) is [0] and draws nothing: the same stream, without the call
+                self._order = self.shard
+            else:
+                self._order = self.shard[torch.randperm(self._len, generator=self.generator)]
             self._order_len = self._len
             pos = 0
             self.epoch += 1

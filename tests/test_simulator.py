@@ -9,6 +9,7 @@ import torch
 
 import gossip
 from gossip.api import SimConfig, build_nodes, consensus_distance
+from gossip.data import BatchStream
 from gossip.simulator import ComputeModel, Simulator, parse_compute, parse_slow
 from gossip.transport.sim import LAN, WAN, LinkModel, SimNetwork, parse_link
 from tests.helpers import FrozenTask
@@ -225,3 +226,21 @@ def test_a_link_class_that_is_down_loses_every_message_in_its_window():
     assert [t for t, arrival in sent.items() if arrival is None] == [1.0, 1.5, 1.999]  # control too
     assert net.transmit(0, 2, 10, 101.5) is not None  # the other class is up
     assert net.lost == 3
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_batch_stream_is_the_documented_randperm_replay(size):
+    """A shard's batches are ``shard[randperm(len, generator)]`` per epoch, and the
+    generator is left exactly where that replay leaves it (a one-sample shard takes
+    the short path, which must draw nothing either)."""
+    shard = torch.arange(10, 10 + size)
+    stream = BatchStream((torch.arange(20),), shard.numpy(), 2, seed=7)
+    g = torch.Generator().manual_seed(7)
+    expected: list[int] = []
+    for _ in range(6):
+        order = shard[torch.randperm(size, generator=g)].tolist()
+        step = min(2, size)
+        expected += [x for i in range(0, size - step + 1, step) for x in order[i:i + step]]
+    got = [int(v) for _ in range(len(expected) // min(2, size)) for v in stream.next_indices()]
+    assert got == expected
+    assert torch.equal(stream.generator.get_state(), g.get_state())
