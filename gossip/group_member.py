@@ -361,6 +361,6 @@ class GroupMember:
                 "shard_numel": self.view.flat.numel(), "model_numel": self.view.total,
                 "resident_numel": self.view.resident, "round": node.round,
                 "sent_sizes": list(self.sent_sizes), "bytes_sent": dict(t.bytes_sent),
-                "bytes_received": dict(t.bytes_received), "max_message_size": t.max_message_size,
+                "bytes_received": dict(t.bytes_received), "max_message_bytes": t.max_message_size,
                 "mixed": node.mix_totals.mixed, "missing": node.mix_totals.missing, "timed_out": self.timed_out,
                 "rejected": dict(node.rejected + self.rejected), "dropped": dict(t.dropped)}
