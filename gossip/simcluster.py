@@ -13,6 +13,12 @@ and links, the way they do on real machines:
 ``stall``      the process does not run for a while (SIGSTOP): it neither sends nor reads;
                what arrived meanwhile is read when it runs again
 ``partition``  groups of processes cannot reach each other; ``heal`` ends it
+``spike``      the messages on one link take longer for a while (a congested or rerouted path)
+``clock``      a process's clock runs fast or slow (``drift``) from its own origin (``offset``):
+               its control plane and lifecycle read only that clock
+
+and, for every message (``duplicate``, ``reorder``): a message arrives twice, or is
+held back behind later ones on its link.
 
 Detection, leave rounds, joins, state transfer and merges come from the protocol.
 A run is deterministic for its seed: the same faults and seed give the same
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -79,6 +86,16 @@ class SimProcess:
     exit: str | None = None   # "done", "crashed", "error: ..." once the process is gone
     lives: list[dict[str, Any]] = field(default_factory=list)  # the results of earlier processes
     mix_violations: list[str] = field(default_factory=list)  # see SimCluster._audit_mixing
+    drift: float = 0.0        # its clock runs at (1 + drift) times virtual time ...
+    offset: float = 0.0       # ... from this reading at virtual time 0
+
+    def local(self, t: float) -> float:
+        """Its clock's reading at virtual time ``t``."""
+        return t * (1.0 + self.drift) + self.offset
+
+    def span(self, d: float) -> float:
+        """Virtual seconds for ``d`` seconds of its clock to pass."""
+        return d / (1.0 + self.drift)
 
 
 class SimCluster:
@@ -94,6 +111,9 @@ class SimCluster:
     peers : ``peers(i)`` the indices process ``i`` names as ``--peers`` (default: the next one, a ring)
     late : indices that do not start at time 0 (start them with :meth:`start`)
     checkpoint_dir : ``checkpoint_dir(i)`` a directory for process ``i``'s checkpoints, or None
+    duplicate : probability that a message arrives twice (the copy up to ``reorder_by`` later)
+    reorder : probability that a message is held back by up to ``reorder_by`` seconds
+        (so later messages on its link overtake it)
     options : further :class:`~gossip.peer.PeerConfig` fields (default :data:`FAST`, ring, synthetic)
     """
 
@@ -101,9 +121,20 @@ class SimCluster:
                  step_time: float | Callable[[int], float] = 0.01,
                  peers: Callable[[int], Sequence[int]] | None = None, late: Sequence[int] = (),
                  checkpoint_dir: Callable[[int], str | None] | None = None, model_seed: int = 0,
+                 duplicate: float = 0.0, reorder: float = 0.0, reorder_by: float = 0.05,
                  **options: Any) -> None:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive integer, got {n!r}")
+        for name, prob in (("duplicate", duplicate), ("reorder", reorder)):
+            if not 0 <= prob < 1:
+                raise ValueError(f"{name} must be a probability in [0, 1), got {prob!r}")
+        if not reorder_by > 0:
+            raise ValueError(f"reorder_by must be > 0 seconds, got {reorder_by!r}")
+        self.duplicate, self.reorder, self.reorder_by = duplicate, reorder, reorder_by
+        self.rng = random.Random(seed * 2654435761 + 0xD0B1E)  # duplicate and reorder draws only
+        self.spikes: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        self._up = 0       # processes up
+        self._faults = 0   # fault events still queued
         self.now = 0.0
         self.events: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
@@ -134,6 +165,8 @@ class SimCluster:
     # -- the schedule ------------------------------------------------------------------------
     def _push(self, t: float, kind: int, index: int, data: Any) -> None:
         self._seq += 1
+        if kind == FAULT:
+            self._faults += 1
         heapq.heappush(self.events, (t, self._seq, kind, index, data))
 
     def at(self, t: float, what: str, action: Callable[[], None]) -> None:
@@ -173,6 +206,23 @@ class SimCluster:
     def heal(self, *, at: float) -> None:
         self.at(at, "heal", lambda: self.network.partition(None))
 
+    def spike(self, i: int, j: int, *, at: float, until: float, delay: float) -> None:
+        """Messages sent between ``i`` and ``j`` (both ways) from ``at`` to ``until`` take
+        ``delay`` seconds longer (a congested path: later ones may overtake them)."""
+        if not (delay >= 0 and until > at):
+            raise ValueError(f"spike needs delay >= 0 and until > at, got delay={delay!r}, at={at!r}, until={until!r}")
+        for pair in ((node_id(i), node_id(j)), (node_id(j), node_id(i))):
+            self.spikes.setdefault(pair, []).append((at, until, delay))
+
+    def clock(self, i: int, *, drift: float = 0.0, offset: float = 0.0) -> None:
+        """Process ``i``'s clock runs at ``1 + drift`` times virtual time and reads ``offset``
+        at virtual time 0 (set before it starts; a restart runs on the same machine's clock)."""
+        if not (-0.5 < drift < 0.5):
+            raise ValueError(f"drift must be in (-0.5, 0.5), got {drift!r}")
+        if not offset >= 0:
+            raise ValueError(f"offset must be >= 0 seconds, got {offset!r}")
+        self.procs[i].drift, self.procs[i].offset = float(drift), float(offset)
+
     # -- processes ---------------------------------------------------------------------------
     def _start(self, i: int, resume: bool) -> None:
         p = self.procs[i]
@@ -186,13 +236,15 @@ class SimCluster:
 
             cfg = dataclasses.replace(cfg, resume=resume)
         p.epoch += 1
+        self._up += 1
         p.up, p.stalled, p.polling, p.primed, p.resume_due = True, False, False, False, False
         p.backlog, p.exit, p.started_at = [], None, self.now
-        first = 10**6 + int(self.now * 1e6) + p.epoch  # later processes have later lives, as on a wall clock
+        local = p.local
+        first = 10**6 + int(local(self.now) * 1e6) + p.epoch  # later processes have later lives, as on a wall clock
         p.life = Lifecycle(cfg, task=self.task, device=torch.device("cpu"), fingerprint=self.fingerprint,
                            incarnation=first, send=lambda dst, msg, p=p: self._send(p, dst, msg, False),
-                           reconnect=lambda peer: None, origin=self.now, clock=lambda: self.now,
-                           new_incarnation=lambda prev: max(10**6 + int(self.now * 1e6), prev + 1))
+                           reconnect=lambda peer: None, origin=local(self.now), clock=lambda: local(self.now),
+                           new_incarnation=lambda prev: max(10**6 + int(local(self.now) * 1e6), prev + 1))
         p.life.audit = True  # record the states handed over and taken (gossip.explore checks them)
         p.life.on_node = lambda node, p=p: self._audit_mixing(p, node)
         p.program = p.life.program()
@@ -202,6 +254,7 @@ class SimCluster:
     def _crash(self, i: int) -> None:
         p = self.procs[i]
         if p.up:
+            self._up -= 1
             p.up, p.exit = False, "crashed"
             p.epoch += 1
             p.program = None
@@ -217,7 +270,7 @@ class SimCluster:
             return
         p.stalled = False
         assert p.life is not None
-        p.life.control.tick(self.now)  # its I/O thread runs again: first of all it sees the gap
+        p.life.control.tick(p.local(self.now))  # its I/O thread runs again: first of all it sees the gap
         backlog, p.backlog = p.backlog, []
         for sender, frames in backlog:
             self._receive(p, sender, frames)
@@ -230,6 +283,7 @@ class SimCluster:
         assert p.life is not None
         if how == "done":  # Peer.close: a goodbye, so nobody waits for a timeout
             p.life.control.goodbye("done" if not p.life.interrupted else "stopped")
+        self._up -= 1
         p.up, p.exit, p.program = False, how, None
         p.epoch += 1
 
@@ -263,7 +317,14 @@ class SimCluster:
         if arrival is None or target is None:
             self.frames_lost += 1
             return
+        spikes = self.spikes.get((p.id, dst)) if self.spikes else None
+        if spikes:
+            arrival += sum(d for t0, t1, d in spikes if t0 <= self.now < t1)
+        if self.reorder and self.rng.random() < self.reorder:
+            arrival += self.rng.uniform(0.0, self.reorder_by)
         self._push(arrival, FRAMES, target.index, (p.id, frames))
+        if self.duplicate and self.rng.random() < self.duplicate:
+            self._push(arrival + self.rng.uniform(0.0, self.reorder_by), FRAMES, target.index, (p.id, frames))
 
     def _receive(self, p: SimProcess, sender: str, frames: list[bytes]) -> None:
         assert p.life is not None
@@ -282,7 +343,7 @@ class SimCluster:
         program = p.program
         while True:
             try:
-                action = program.send(self.now) if p.primed else next(program)
+                action = program.send(p.local(self.now)) if p.primed else next(program)
                 p.primed = True
             except StopIteration:
                 self._exit(p, "done")
@@ -297,7 +358,7 @@ class SimCluster:
                     continue
                 p.polling = True
                 p.token += 1
-                self._push(self.now + action.timeout, RESUME, p.index, (p.epoch, p.token))
+                self._push(self.now + p.span(action.timeout), RESUME, p.index, (p.epoch, p.token))
                 return
             if kind is Compute:
                 if self.on_step is not None:
@@ -322,6 +383,7 @@ class SimCluster:
                 return
             t, _, kind, i, data = heapq.heappop(events)
             if kind == FAULT:
+                self._faults -= 1
                 self.now = t
                 what, action = data
                 self.log.append((t, what))
@@ -341,8 +403,8 @@ class SimCluster:
                     continue  # a stalled process ticks again when it runs again
                 self.now = t
                 assert p.life is not None
-                p.life.control.tick(t)
-                self._push(t + min(0.1, p.cfg.heartbeat / 2), TICK, i, p.epoch)
+                p.life.control.tick(p.local(t))
+                self._push(t + p.span(min(0.1, p.cfg.heartbeat / 2)), TICK, i, p.epoch)
             else:  # RESUME
                 epoch, token = data
                 if epoch != p.epoch or token != p.token:
@@ -353,7 +415,7 @@ class SimCluster:
                     continue
                 p.polling = False
                 self._advance(p)
-            if not any(q.up for q in self.procs) and not any(e[2] == FAULT for e in events):
+            if not self._up and not self._faults:
                 return
 
     # -- outcomes ----------------------------------------------------------------------------
