@@ -18,11 +18,16 @@ from gossip.message import Message
 from gossip.mixing.base import all_finite, decode_payload
 from gossip.program import POLL0, PeerError, Poll, Program
 
-__all__ = ["Joining"]
+__all__ = ["Joining", "ClusterGone"]
 
 log = logging.getLogger("gossip.peer")
 
 POLL = 0.05  # seconds between looks while waiting for a state reply (a driver may wake earlier)
+
+
+class ClusterGone(PeerError):
+    """The cluster a node waits to join stopped training before the node's first round
+    (its members died or started new lives): there is no round to join any more."""
 
 
 def sha256_of(t: torch.Tensor) -> str:
@@ -89,8 +94,12 @@ class Joining:
         while not life.stop.is_set():
             with life.lock:  # the members we train with (after a partition, others may count other rounds)
                 rounds = [m.round for k, m in life.membership.members.items() if k != life.id and k in node.members]
+                serving = [k for k, m in life.membership.members.items()  # (a finished one serves its state)
+                           if k != life.id and k in node.members and m.status in ("training", "done")]
             if not rounds or max(rounds) >= start_round - 1:
                 break
+            if not serving:  # every member that would reach our round died or started a new life
+                raise ClusterGone("no member of the cluster it joins trains any more")
             yield Poll(cfg.heartbeat / 2)
         for attempt in range(6):
             donors = [j for j in node.topology.in_weights(node.index, start_round) if j != node.index]
@@ -116,7 +125,8 @@ class Joining:
                         # donor's round: the cluster went on without it, and its members drop
                         # messages of rounds they have finished
                         start_round = max(start_round, reply.round)
-                        node.jump_to(start_round * cfg.period)
+                        # (a join round past the end: the cluster finished; it holds the final state)
+                        node.jump_to(min(start_round * cfg.period, cfg.steps))
                         if reply.weight is not None and hasattr(node.rule, "weight"):
                             node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
                         self.state_from, self.state_step = donor, reply.progress
@@ -126,7 +136,7 @@ class Joining:
                         return
             self.replies.clear()
             log.warning("%s: no state from %s yet; asking another member", life.id, donor)
-        node.jump_to(start_round * cfg.period)
+        node.jump_to(min(start_round * cfg.period, cfg.steps))
         log.warning("%s: no member sent its state; joining with a fresh model", life.id)
 
     def align_start(self, mode: str) -> None:

@@ -38,7 +38,7 @@ import torch
 from gossip.checkpoint import checkpoint_step, latest_checkpoint, load_members, save_checkpoint, save_members
 from gossip.compression import get_codec
 from gossip.control import ControlPlane
-from gossip.joining import Joining, sha256_of
+from gossip.joining import ClusterGone, Joining, sha256_of
 from gossip.membership import Membership, out_of_step, parse_address, topology_for
 from gossip.message import Message
 from gossip.mixing.settings import build_rules
@@ -177,7 +177,18 @@ class Lifecycle:
         mode = yield from self.discover()
         if mode is None:
             return False
-        yield from self.begin(mode)
+        while True:
+            try:
+                yield from self.begin(mode)
+                break
+            except ClusterGone as e:
+                # the cluster it waited to join is gone (every member that trained died or
+                # restarted): its schedule describes nothing now; discover afresh, as a new life
+                log.warning("%s: %s; looking for a cluster again", self.id, e)
+                yield from self.start_over()
+                mode = yield from self.discover()
+                if mode is None:
+                    return False
         yield from self.train()
         while self.excluded is not None and not self.stop.is_set():
             yield from self.rejoin()
@@ -295,6 +306,18 @@ class Lifecycle:
                 self.handle(msg)
         log.info("%s: training as %d of %d (%s start, round %d, step %d)", self.id, rank, world, mode,
                  self.node.round, self.node.step)
+
+    def start_over(self) -> Program:
+        """Begin a new life before training: a new incarnation, no schedule, no node."""
+        now = yield POLL0
+        with self.lock:
+            self.incarnation = self.new_incarnation(self.incarnation)
+            self.control.new_life(self.incarnation)
+            self.membership.new_life(self.incarnation, now=now)
+            self.status = "waiting"
+            self.node = None
+            self.joining.replies.clear()
+            self.joining.joined = False
 
     def rejoin(self) -> Program:
         """Start a new life and join the running cluster again (or the stronger

@@ -86,6 +86,7 @@ class SimProcess:
     exit: str | None = None   # "done", "crashed", "error: ..." once the process is gone
     lives: list[dict[str, Any]] = field(default_factory=list)  # the results of earlier processes
     mix_violations: list[str] = field(default_factory=list)  # see SimCluster._audit_mixing
+    after_finish: bool = False  # it started when another process had finished, or was a join margin from it
     drift: float = 0.0        # its clock runs at (1 + drift) times virtual time ...
     offset: float = 0.0       # ... from this reading at virtual time 0
 
@@ -239,6 +240,8 @@ class SimCluster:
         self._up += 1
         p.up, p.stalled, p.polling, p.primed, p.resume_due = True, False, False, False, False
         p.backlog, p.exit, p.started_at = [], None, self.now
+        others = [q for q in self.procs if q is not p]
+        p.after_finish = any(q.exit == "done" or (q.up and q.life is not None and self._finishing(q)) for q in others)
         local = p.local
         first = 10**6 + int(local(self.now) * 1e6) + p.epoch  # later processes have later lives, as on a wall clock
         p.life = Lifecycle(cfg, task=self.task, device=torch.device("cpu"), fingerprint=self.fingerprint,
@@ -250,6 +253,18 @@ class SimCluster:
         p.program = p.life.program()
         self._push(self.now, RESUME, i, (p.epoch, p.token))
         self._push(self.now, TICK, i, p.epoch)
+
+    @staticmethod
+    def _finishing(q: SimProcess) -> bool:
+        """Whether ``q`` has finished, or trains within a join margin of its last round
+        (a join scheduled now would fall after the end)."""
+        life = q.life
+        assert life is not None
+        if life.status == "done":
+            return True
+        node, cfg = life.node, q.cfg
+        return life.status == "training" and node is not None \
+            and node.round + cfg.join_margin >= cfg.steps // cfg.mixing.period
 
     def _crash(self, i: int) -> None:
         p = self.procs[i]

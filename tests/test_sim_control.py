@@ -298,3 +298,18 @@ def test_the_swim_detector_runs_in_the_simulated_cluster_too():
         if i != 2:
             assert r["exit"] == "done" and r["steps"] == 600 and r["members"] == 5, r
             assert r["max_step_gap_s"] < FAST["dead_after"] + 1.5, r
+
+
+@pytest.mark.parametrize("seed", [
+    100000353,  # joiners of a cluster whose only trainer restarted waited for its round forever
+    100000320,  # a restart joined a finished cluster at a round past the end: step 109 of 100
+    100000534,  # a late start a join margin from the end: no round left to join; it must say so, not hang
+    100000315,  # restarts after the finish
+    100000328,  # a late node whose one seed had crashed never met the cluster (now it names every seed)
+])
+def test_explored_schedules_that_once_failed_hold_every_invariant(seed, tmp_path):
+    """Schedules ``python -m gossip.explore --runs 250 --seed 100`` found; kept as regressions."""
+    from gossip import explore
+
+    s = explore.draw(seed)
+    assert explore.check(explore.run_schedule(s, str(tmp_path)), s.settles) == []
