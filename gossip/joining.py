@@ -69,6 +69,10 @@ class Joining:
                 m = life.membership
                 if life.id in m.joins:
                     return m.joins[life.id]
+                if m.started and life.id in m.base and m.counts(life.id, life.incarnation):
+                    # a cluster started afresh counting this life as a starter (it settled
+                    # while we waited to join): nobody schedules a join; start with a member's state
+                    return 0
                 others = m.others()
                 if m.target:  # joining another cluster: ask only its members
                     others = [o for o in others if o in m.target]
