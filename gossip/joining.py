@@ -100,7 +100,7 @@ class Joining:
                 rounds = [m.round for k, m in life.membership.members.items() if k != life.id and k in node.members]
                 serving = [k for k, m in life.membership.members.items()  # (a finished one serves its state)
                            if k != life.id and k in node.members and m.status in ("training", "done")]
-            if not rounds or max(rounds) >= start_round - 1:
+            if rounds and max(rounds) >= start_round - 1:
                 break
             if not serving:  # every member that would reach our round died or started a new life
                 raise ClusterGone("no member of the cluster it joins trains any more")
