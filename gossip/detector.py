@@ -40,7 +40,7 @@ from typing import Protocol
 
 from gossip.membership import Membership
 
-__all__ = ["Verdicts", "FailureDetector", "HeartbeatDetector", "DETECTORS", "make_detector"]
+__all__ = ["Verdicts", "FailureDetector", "HeartbeatDetector", "DETECTORS", "make_detector", "mark_heard", "own_stall"]
 
 DETECTORS = ("heartbeat", "swim")  # the names PeerConfig.detector and gossip-node --detector take
 
@@ -67,6 +67,28 @@ class FailureDetector(Protocol):
     def tick(self, now: float) -> Verdicts: ...
 
 
+def mark_heard(membership: Membership, member: str, now: float) -> None:
+    """A message from ``member`` arrived at ``now``: the member table's ``last_seen``."""
+    m = membership.members.get(member)
+    if m is not None:
+        m.last_seen = now
+
+
+def own_stall(membership: Membership, heartbeat: float, last_tick: float | None, now: float) -> float:
+    """Seconds this process did not run since its last tick (0: it ran).
+
+    A gap longer than ``max(dead_after / 2, 4 * heartbeat)`` means this process was
+    suspended or swapped out: everyone would look silent, but the silence is its own,
+    so the gap is credited back to every member's ``last_seen``.
+    """
+    gap = now - (last_tick if last_tick is not None else now)
+    if gap <= max(membership.dead_after / 2, 4 * heartbeat):
+        return 0.0
+    for m in membership.members.values():
+        m.last_seen = min(now, m.last_seen + gap)
+    return gap
+
+
 class HeartbeatDetector:
     """Every member pings every other member each ``heartbeat`` seconds; a member
     silent for ``dead_after`` seconds is dead (no suspicion stage). Its memory is
@@ -84,17 +106,11 @@ class HeartbeatDetector:
         self._last_tick: float | None = None
 
     def heard(self, member: str, now: float) -> None:
-        m = self.m.members.get(member)
-        if m is not None:
-            m.last_seen = now
+        mark_heard(self.m, member, now)
 
     def tick(self, now: float) -> Verdicts:
         out = Verdicts()
-        gap, self._last_tick = now - (self._last_tick if self._last_tick is not None else now), now
-        if gap > max(self.m.dead_after / 2, 4 * self.heartbeat):
-            out.stalled = gap
-            for m in self.m.members.values():
-                m.last_seen = min(now, m.last_seen + gap)
+        out.stalled, self._last_tick = own_stall(self.m, self.heartbeat, self._last_tick, now), now
         if now - self.last_ping >= self.heartbeat:
             self.last_ping = now
             out.dead = [mid for mid, m in self.m.members.items()

@@ -42,7 +42,7 @@ import logging
 import random
 from typing import Any
 
-from gossip.detector import Verdicts
+from gossip.detector import Verdicts, mark_heard, own_stall
 from gossip.membership import Membership
 from gossip.message import Message
 from gossip.swim import ALIVE, DEAD, KIND, LEFT, SUSPECT, Swim, SwimOptions, check, from_message
@@ -99,18 +99,12 @@ class SwimDetector:
     # -- the interface of gossip.detector ------------------------------------------------------
     def heard(self, member: str, now: float) -> None:
         # SWIM needs its own messages; the member table's last_seen is read elsewhere too
-        m = self.m.members.get(member)
-        if m is not None:
-            m.last_seen = now
+        mark_heard(self.m, member, now)
 
     def tick(self, now: float) -> Verdicts:
         out = Verdicts()
-        gap, self._last_tick = now - (self._last_tick if self._last_tick is not None else now), now
-        if gap > max(self.m.dead_after / 2, 4 * self.heartbeat):
-            # this process did not run: SWIM gives its suspicions the time back itself
-            out.stalled = gap
-            for m in self.m.members.values():
-                m.last_seen = min(now, m.last_seen + gap)
+        # a stall of this process: SWIM gives its suspicions the time back itself
+        out.stalled, self._last_tick = own_stall(self.m, self.heartbeat, self._last_tick, now), now
         self._sync(now)
         out.sends = [self._frame(sm) for sm in self.swim.tick(now)]
         for ev in self.swim.take_events():

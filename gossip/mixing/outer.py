@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OuterSpec", "parse_outer", "OuterRule", "OUTER_KINDS", "EXCHANGES", "check_outer_pairing", "outer_step_"]
+__all__ = ["OuterSpec", "parse_outer", "OuterRule", "OUTER_KINDS", "EXCHANGES", "check_outer_pairing", "outer_step_", "MomentumHandover"]
 
 #: kind: (default lr, default momentum)
 OUTER_KINDS = {"sgd": (1.0, 0.0), "nesterov": (0.7, 0.9), "noloco": (0.7, 0.5)}
@@ -203,7 +203,21 @@ def check_outer_pairing(spec: OuterSpec, algorithm: str, topology: Any = None) -
                              f"{getattr(topology, 'spec', 'this one')!r} is not; use gossip, or --outer sgd:lr=1")
 
 
-class OuterRule:
+class MomentumHandover:
+    """A joiner takes the outer momentum with the parameters (its anchor is what it
+    adopts; anything else of the outer state, such as a residual, starts afresh)."""
+
+    momentum: torch.Tensor | None
+
+    def outer_state(self) -> dict[str, Any]:
+        return {"momentum": None if self.momentum is None else self.momentum.detach().cpu().clone()}
+
+    def load_outer_state(self, state: dict[str, Any]) -> None:
+        m = state.get("momentum")
+        self.momentum = None if m is None else m.clone()
+
+
+class OuterRule(MomentumHandover):
     """A mixing rule with an outer optimizer on top (see the module docstring).
 
     Wraps ``inner`` (any mixing rule): sends what it sends, mixes as it mixes,
@@ -292,14 +306,6 @@ class OuterRule:
             self.anchor = state["anchor"].clone()
         self.momentum = state["momentum"].clone() if state.get("momentum") is not None else None
         self.outer_steps = int(state.get("outer_steps", 0))
-
-    def outer_state(self) -> dict[str, Any]:
-        """What a joiner takes with the parameters: the momentum (its anchor is what it adopts)."""
-        return {"momentum": None if self.momentum is None else self.momentum.detach().cpu().clone()}
-
-    def load_outer_state(self, state: dict[str, Any]) -> None:
-        m = state.get("momentum")
-        self.momentum = None if m is None else m.clone()
 
     def report(self) -> dict[str, Any]:
         return {**self.inner.report(), "outer": str(self.spec), "outer_steps": self.outer_steps}

@@ -39,7 +39,7 @@ from gossip.compression import Codec, get_codec
 from gossip.message import Packet
 from gossip.mixing.base import Inbox, MixingRule, MixReport
 from gossip.mixing.gossip import weighted_sum_
-from gossip.mixing.outer import OuterSpec, outer_step_
+from gossip.mixing.outer import MomentumHandover, OuterSpec, outer_step_
 
 __all__ = ["PseudoGradientRule", "check_pseudograd", "exact_averaging"]
 
@@ -75,7 +75,7 @@ def check_pseudograd(spec: OuterSpec, *, algorithm: str, asynchronous: bool, gam
                          f"anchors would drift apart with nothing to pull them together; {forms}")
 
 
-class PseudoGradientRule(MixingRule):
+class PseudoGradientRule(MomentumHandover, MixingRule):
     """Send ``C(Delta_i + e_i)``, keep the residual, mix the decoded pseudo-gradients, take
     the outer step (see the module docstring).
 
@@ -182,14 +182,6 @@ class PseudoGradientRule(MixingRule):
         self.momentum = clone(state.get("momentum"))
         self.residual = clone(state.get("residual"))
         self.outer_steps = int(state.get("outer_steps", 0))
-
-    def outer_state(self) -> dict[str, Any]:
-        """What a joiner takes with the parameters: the momentum (its residual starts at zero)."""
-        return {"momentum": None if self.momentum is None else self.momentum.detach().cpu().clone()}
-
-    def load_outer_state(self, state: dict[str, Any]) -> None:
-        m = state.get("momentum")
-        self.momentum = None if m is None else m.clone()
 
     def report(self) -> dict[str, Any]:
         return {"rule": self.name, "outer": str(self.spec), "outer_steps": self.outer_steps,
