@@ -129,8 +129,7 @@ class Joining:
                         # donor's round: the cluster went on without it, and its members drop
                         # messages of rounds they have finished
                         start_round = max(start_round, reply.round)
-                        # (a join round past the end: the cluster finished; it holds the final state)
-                        node.jump_to(min(start_round * cfg.period, cfg.steps))
+                        node.jump_to(self._join_step(start_round))
                         if reply.weight is not None and hasattr(node.rule, "weight"):
                             node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
                         self.state_from, self.state_step = donor, reply.progress
@@ -140,8 +139,16 @@ class Joining:
                         return
             self.replies.clear()
             log.warning("%s: no state from %s yet; asking another member", life.id, donor)
-        node.jump_to(min(start_round * cfg.period, cfg.steps))
+        node.jump_to(self._join_step(start_round))
         log.warning("%s: no member sent its state; joining with a fresh model", life.id)
+
+    def _join_step(self, start_round: int) -> int:
+        """The local step a joiner continues from: its join round's first step; a join
+        round past the end of a run of ``steps`` steps (the cluster finished) holds the
+        final state. A training loop of the user's own has no step budget: no cap."""
+        life = self.life
+        step = start_round * life.cfg.period
+        return step if life.user_model is not None else min(step, life.cfg.steps)
 
     def align_start(self, mode: str) -> None:
         """With --resume, start where the starters are: a cluster restarted as a whole
