@@ -74,7 +74,7 @@ def load_group_checkpoint(path: str | os.PathLike, group: Group, model: torch.nn
     another size or with the other ``intra``.
     """
     path = Path(path)
-    meta = torch.load(path / "group.pt")
+    meta = torch.load(path / "group.pt", map_location="cpu", weights_only=True)
     if meta["group_size"] != group.size:
         raise GroupError(f"checkpoint {path} was written by a group of {meta['group_size']} ranks; this group has "
                          f"{group.size}: resume with torchrun --nproc-per-node {meta['group_size']}")
@@ -87,7 +87,7 @@ def load_group_checkpoint(path: str | os.PathLike, group: Group, model: torch.nn
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if not member.view.is_bound():
         raise RuntimeError("loading the checkpoint moved the parameters out of the gossip shard")
-    mine = torch.load(path / f"rank-{group.rank}.pt", weights_only=False)
+    mine = torch.load(path / f"rank-{group.rank}.pt", map_location="cpu", weights_only=True)
     node = member.node
     assert node is not None
     if mine["shard_numel"] != member.view.flat.numel():
