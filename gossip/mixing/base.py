@@ -19,7 +19,7 @@ from gossip.compression import Codec, Encoded, get_codec, get_decoder
 from gossip.compression.base import DTYPES
 from gossip.message import Message, Packet
 
-__all__ = ["Inbox", "MixingRule", "MixReport", "all_finite", "decode_payload"]
+__all__ = ["Inbox", "MixingRule", "MixReport", "all_finite", "decode_payload", "take_round_messages"]
 
 
 class Inbox:
@@ -214,6 +214,26 @@ class MixingRule:
         if msg.tensor is None:
             msg.tensor = decode_payload(msg, like, pieces=True)
         return msg.tensor
+
+
+def take_round_messages(inbox: Inbox, weights: dict[int, float], me: int, rnd: int,
+                        report: MixReport) -> tuple[float, list[tuple[float, Message]]]:
+    """Each in-neighbour's message of round ``rnd``, with its weight, and this node's own
+    weight; an absent neighbour's weight goes to self, so W stays row-stochastic
+    (counted in ``report``: missing, late)."""
+    self_w = weights.get(me, 0.0)
+    terms: list[tuple[float, Message]] = []
+    for j in sorted(weights):
+        if j == me:
+            continue
+        msg, stale = inbox.take_round(j, rnd)
+        report.late += stale
+        if msg is None:
+            self_w += weights[j]
+            report.missing += 1
+            continue
+        terms.append((weights[j], msg))
+    return self_w, terms
 
 
 def decode_payload(msg: Message, like: torch.Tensor, pieces: bool = False) -> torch.Tensor | Pieces:

@@ -8,7 +8,7 @@ import torch
 
 from gossip.buffers import Pieces, pooled_copy
 from gossip.message import Packet
-from gossip.mixing.base import Inbox, MixingRule, MixReport
+from gossip.mixing.base import Inbox, MixingRule, MixReport, take_round_messages
 
 __all__ = ["GossipRule", "weighted_sum_"]
 
@@ -74,18 +74,7 @@ class GossipRule(MixingRule):
     def mix(self, x: torch.Tensor, inbox: Inbox, topology: Any, me: int, rnd: int, progress: int) -> MixReport:
         weights = self.round_weights(topology, me, rnd)[0]
         report = MixReport()
-        self_w = weights.get(me, 0.0)
-        terms: list[tuple[float, torch.Tensor]] = []
-        for j in sorted(weights):
-            if j == me:
-                continue
-            msg, stale = inbox.take_round(j, rnd)
-            report.late += stale
-            if msg is None:
-                self_w += weights[j]  # an absent neighbour's weight goes to self: W stays row-stochastic
-                report.missing += 1
-                continue
-            terms.append((weights[j], msg))
+        self_w, terms = take_round_messages(inbox, weights, me, rnd, report)
         ref = self._sent.pop(rnd, None) if self.overlap else None
         if ref is None and self.clip is None:
             terms = [(w, self.decode_pieces(m, x)) for w, m in terms]  # read in place, frame by frame

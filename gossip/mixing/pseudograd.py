@@ -37,7 +37,7 @@ import torch
 
 from gossip.compression import Codec, get_codec
 from gossip.message import Packet
-from gossip.mixing.base import Inbox, MixingRule, MixReport
+from gossip.mixing.base import Inbox, MixingRule, MixReport, take_round_messages
 from gossip.mixing.gossip import weighted_sum_
 from gossip.mixing.outer import MomentumHandover, OuterSpec, outer_step_
 
@@ -143,18 +143,8 @@ class PseudoGradientRule(MomentumHandover, MixingRule):
         own = self._own.pop(rnd, None)
         if own is None:  # nothing sent this round (a node that adopted a state since): no step
             return report
-        self_w = weights.get(me, 0.0)
-        terms: list[tuple[float, torch.Tensor]] = []
-        for j in sorted(weights):
-            if j == me:
-                continue
-            msg, stale = inbox.take_round(j, rnd)
-            report.late += stale
-            if msg is None:
-                self_w += weights[j]  # as in gossip: an absent neighbour's weight goes to self
-                report.missing += 1
-                continue
-            terms.append((weights[j], self.decode_pieces(msg, x)))
+        self_w, received = take_round_messages(inbox, weights, me, rnd, report)
+        terms = [(w, self.decode_pieces(msg, x)) for w, msg in received]
         report.mixed = len(terms)
         g = weighted_sum_(own.clone(), self_w, terms)  # sum_j W_ij D(q_j)
         theta_sent = self._sent.pop(rnd, None) if self.overlap else None
