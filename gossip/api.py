@@ -304,6 +304,8 @@ class Simulation:
             self.recorder.sim = self.sim
             # synchronous exact gossip with every node in step: whole rounds at once (gossip.lockstep)
             self.sim.lockstep, self.engine_note = choose_lockstep(cfg.engine, self.sim, self.engine_note)
+            # auto's lockstep is provisional until the first run(): see run()
+            self._provisional = cfg.engine == "auto" and self.sim.lockstep is not None
 
     @property
     def engine(self) -> str:
@@ -320,7 +322,20 @@ class Simulation:
         return self.sim.done
 
     def run(self, until: float | None = None) -> "Simulation":
-        """Advance to simulated time ``until`` (or to the end); returns self."""
+        """Advance to simulated time ``until`` (or to the end); returns self.
+
+        With ``engine="auto"``, lockstep (which cannot follow a network, fault or
+        node changed mid-run) is kept only for a run that goes to the end from its
+        first call and that nothing changed before it; a first call with ``until``
+        (to look at or disturb the nodes mid-run) runs the batched event loop from
+        the start instead, and ``engine_note`` says so."""
+        if self._provisional:
+            self._provisional = False
+            reason = ("run piecewise with run(until=...), and the network may change between the pieces"
+                      if until is not None else self.sim.lockstep.changed())
+            if reason is not None:
+                self.sim.lockstep = None
+                self.engine_note = f"batched; not in lockstep: {reason}"
         with _threads(self.config.threads):
             self.sim.run(until)
         return self

@@ -286,9 +286,7 @@ class Lockstep:
     def run(self, until: float | None = None) -> None:
         """Process every event up to simulated time ``until`` (or to the end), as the event loop would."""
         sim = self.sim
-        network = sim.network
-        if network._group or network.links != self._links or sim.faults or \
-                any(a is not b for a, b in zip(sim.nodes, self._nodes)):
+        if self.changed() is not None:
             raise RuntimeError("the network, the faults or the nodes changed during a lockstep run, which its "
                                "schedule cannot follow; run with engine 'batched' or 'per-node' to change them "
                                "mid-run")
@@ -314,6 +312,20 @@ class Lockstep:
                 sim.now = until
         finally:
             self._sync()
+
+    def changed(self) -> str | None:
+        """What changed since the schedule was computed that it cannot follow (None: nothing)."""
+        sim = self.sim
+        network = sim.network
+        if network._group:
+            return "the network was partitioned"
+        if network.links != self._links:
+            return "a link model changed"
+        if sim.faults:
+            return "faults were scheduled"
+        if any(a is not b for a, b in zip(sim.nodes, self._nodes)):
+            return "a node was replaced"
+        return None
 
     def _process(self, ph: Phase, lo: int, hi: int) -> None:
         sim = self.sim

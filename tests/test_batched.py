@@ -508,7 +508,7 @@ def test_lockstep_mixing_is_the_product_of_the_mixing_matrices(topology):
 
 
 def test_a_network_changed_mid_run_is_refused_in_lockstep():
-    sim = Simulation(SimConfig(nodes=8, topology="ring", task="synthetic", steps=100))
+    sim = Simulation(SimConfig(nodes=8, topology="ring", task="synthetic", steps=100, engine="lockstep"))
     assert sim.engine == "lockstep"
     sim.run(until=0.3)
     steps = [n.step for n in sim.nodes]
@@ -524,3 +524,32 @@ def test_a_network_changed_mid_run_is_refused_in_lockstep():
     ev.network.partition([[0, 1, 2, 3], [4, 5, 6, 7]])
     ev.run(until=0.6)
     assert ev.network.lost > 0
+
+
+def test_auto_runs_a_piecewise_run_on_the_event_loop():
+    """engine auto never raises for a network changed mid-run: a first run(until=...) takes the
+    event loop (which follows the change); a run to the end stays in lockstep."""
+    cfg = SimConfig(nodes=8, topology="ring", task="synthetic", steps=100)
+    sim = Simulation(cfg)
+    assert sim.engine == "lockstep"  # provisional until the first run()
+    sim.run(until=0.3)
+    assert sim.engine == "batched" and "run piecewise" in sim.engine_note
+    sim.network.partition([[0, 1, 2, 3], [4, 5, 6, 7]])
+    sim.run(until=0.6)
+    assert sim.network.lost > 0  # messages across the partition are lost, as the event loop has it
+    sim.network.partition(None)
+    summary = sim.run().result().summary
+    assert summary["engine"] == "batched" and summary["steps"] == 100
+    # the same piecewise run undisturbed: the event loop gives the parameters lockstep gives
+    pieces = Simulation(cfg)
+    for t in (0.3, 0.6, None):
+        pieces.run(until=t)
+    whole = Simulation(cfg).run()
+    assert whole.engine == "lockstep" and whole.engine_note == "lockstep" and pieces.engine == "batched"
+    assert torch.allclose(pieces.batched.matrix, whole.batched.matrix, atol=1e-5)
+    assert pieces.result().summary["bytes_sent"] == whole.result().summary["bytes_sent"]
+    # a change made before the first run: auto takes the event loop from the start
+    early = Simulation(cfg)
+    early.network.partition([[0, 1, 2, 3], [4, 5, 6, 7]])
+    early.run()
+    assert early.engine == "batched" and "partitioned" in early.engine_note and early.network.lost > 0
