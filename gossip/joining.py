@@ -67,7 +67,12 @@ class Joining:
         while now < deadline and not life.stop.is_set():
             with life.lock:
                 m = life.membership
-                if life.id in m.joins:
+                # a join round is of use only with the schedule it belongs to (who started
+                # the cluster): a list from a member that waits to join too may announce our
+                # join before any training member has told us the starters. Without them our
+                # first round's member list would lack them, and a cluster of trainers would
+                # look gone; the training member we say hello to sends them
+                if life.id in m.joins and m.started:
                     return m.joins[life.id]
                 if m.started and life.id in m.base and m.counts(life.id, life.incarnation):
                     # a cluster started afresh counting this life as a starter (it settled
@@ -86,7 +91,7 @@ class Joining:
                 others = [life.rejoin_via, *(o for o in others if o != life.rejoin_via)]
             life.control.hello_all(others[:3])
             end = now + life.cfg.heartbeat
-            while now < end and life.id not in life.membership.joins:
+            while now < end and not (life.id in life.membership.joins and life.membership.started):
                 now = yield Poll(end - now)
         raise PeerError("the running cluster did not schedule our join (no answer to hello)")
 
