@@ -217,16 +217,20 @@ def heal(workdir: Path, cut: tuple[float, float] = (20.0, 30.0), after: int = 50
                 raise CutBeforeTraining(f"{x.name} began training {b:.1f} s after its start, not before the cut "
                                    f"began at {cut[0]:g} s: this machine is too slow for that cut (try --cut "
                                    f"{cut[0] + 10:g}-{cut[1] + 10:g})")
-        # the cut: every node drops every node of the other side, during its own cut
+        # the cut: every node drops every node of the other side. A node drops what it
+        # sends during its own cut, so node i stops hearing j when j's cut begins, which
+        # is before i's own when j started first (by seconds on a loaded machine)
         for i, x in enumerate(nodes):
-            others = [nodes[j].addr for j in range(n) if dcs[j] != dcs[i]]
-            _wait(lambda: all(removals(x.log(), a, starts[i] + cut[0]) for a in others), 120,
-                  f"{x.name} removing {others} after its cut began")
+            others = {nodes[j].addr: starts[j] + cut[0] for j in range(n) if dcs[j] != dcs[i]}
+            _wait(lambda: all(removals(x.log(), a, t) for a, t in others.items()), 120,
+                  f"{x.name} removing each of {sorted(others)} after that member's cut began")
         for x in west:  # the link is back: west joins east
             x.wait_for_log("took the state of", 120)
         joined = max(int(r) for x in west for r in JOINED_AT.findall(x.log()))
-        for m in metrics:  # the five train together
-            wait_for_step(m, joined + after, 300)
+        # the five train together: what each reports while it still trains (the stop
+        # below reaches them one after another, and a node that hears another's goodbye
+        # before its own signal ends with one member fewer)
+        records = [wait_for_step(m, joined + after, 300) for m in metrics]
         for x in nodes:
             x.proc.send_signal(signal.SIGTERM)
         codes = c.wait_all(120)
@@ -238,6 +242,7 @@ def heal(workdir: Path, cut: tuple[float, float] = (20.0, 30.0), after: int = 50
             "start_after_launch_s": [s - t for s, t in zip(starts, launched)], "began_training_s": began,
             "rejoins": [s["rejoins"] for s in summaries], "merges": [s["merges"] for s in summaries],
             "members_at_end": [s["members"] for s in summaries],
+            "members_before_stop": [r["members"] for r in records],
             "neighbor_distance": [s["neighbor_distance"] for s in summaries],
             # synchronous rounds that waited --timeout in vain once all five trained together
             "timeouts_after_join": [sum(t > merged_at for t in _log_times(log, "timed out waiting")) for log in logs],
@@ -310,7 +315,7 @@ def main() -> int:
             result["heal"] = {k: v for k, v in h.items() if k not in ("summaries", "logs")}
             result["heal"]["attempts"] = attempt
             print(f"heal: west joined east {', '.join(f'{t:.1f}' for t in h['merged_after_cut_s'])} s after the "
-                  f"cut ended; new lives {h['rejoins']}, members at the end {h['members_at_end']}, neighbour "
+                  f"cut ended; new lives {h['rejoins']}, members before the stop {h['members_before_stop']}, neighbour "
                   f"distances {max(h['neighbor_distance']):.4f} at most (attempt {attempt})")
     if args.churn and not args.skip_real:
         from benchmarks.churn import churn

@@ -67,7 +67,7 @@ class Reporter:
         assert node is not None
         ev = life.task.evaluate(node.model, life.device) if life.task is not None else {}
         rec = {"event": event, "node": life.id, "time": time, "step": node.step,
-               "round": node.round, "train_loss": node.pop_mean_loss(), "loss": ev.get("loss"),
+               "round": node.round, "members": len(node.members), "train_loss": node.pop_mean_loss(), "loss": ev.get("loss"),
                "accuracy": ev.get("accuracy"), "neighbor_distance": node.neighbor_distance(),
                "bytes_sent": sum(self.transport.bytes_sent.values()),
                "bytes_received": sum(self.transport.bytes_received.values()), **(extra or {})}

@@ -67,13 +67,16 @@ class NodeProc:
             self.proc.wait(timeout=10)
 
 
-def wait_for_step(metrics: Path, step: int, timeout: float) -> None:
-    """Wait until the ``--log`` JSON-lines file ``metrics`` holds a record at ``step`` or later."""
+def wait_for_step(metrics: Path, step: int, timeout: float) -> dict:
+    """Wait until the ``--log`` JSON-lines file ``metrics`` holds a record at ``step``
+    or later; returns the first such record (what the node reported while it still
+    trained, before any stop the caller sends next)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = metrics.read_text() if metrics.exists() else ""
-        if any(json.loads(ln).get("step", 0) >= step for ln in text.splitlines() if ln.endswith("}")):
-            return
+        for ln in text.splitlines():
+            if ln.endswith("}") and (rec := json.loads(ln)).get("step", 0) >= step:
+                return rec
         time.sleep(0.1)
     raise AssertionError(f"{metrics} did not reach step {step} in {timeout} s")
 
