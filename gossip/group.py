@@ -178,6 +178,9 @@ class Decision:
     round: int
     members: tuple[str, ...]
     verdict: str = "mix"
+    # joiners (group ids, not in ``members``): after this round's mix, rank r sends its
+    # shard to rank r of each; they are members from the next round on
+    handover: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -185,6 +188,10 @@ class Decision:
         if isinstance(self.round, bool) or not isinstance(self.round, int) or self.round < 0:
             raise ValueError(f"round must be a non-negative integer, got {self.round!r}")
         object.__setattr__(self, "members", tuple(self.members))
+        object.__setattr__(self, "handover", tuple(self.handover))
+        if set(self.handover) & set(self.members):
+            raise ValueError(f"a group handed its shards joins the round after: {sorted(set(self.handover) & set(self.members))} "
+                             "cannot be a member of this one")
 
 
 @dataclass
@@ -280,11 +287,28 @@ def start_group(intra: str = "ddp", device: str = "auto", environ: Mapping[str, 
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
-        # torchrun's own environment: env:// (it may hand over the agent's store); one passed in: tcp://
-        method = "env://" if environ is None else f"tcp://{env.master_addr}:{env.master_port}"
-        dist.init_process_group(backend, init_method=method, rank=env.rank, world_size=env.size,
+        life = os.environ.get("TORCHELASTIC_RESTART_COUNT") if environ is None else None
+        if life is not None:
+            kwargs["store"] = _life_store(env, life, timeout)
+        else:
+            # torchrun's own environment: env:// (it may hand over the agent's store); one passed in: tcp://
+            kwargs["init_method"] = "env://" if environ is None else f"tcp://{env.master_addr}:{env.master_port}"
+        dist.init_process_group(backend, rank=env.rank, world_size=env.size,
                                 timeout=datetime.timedelta(seconds=timeout), **kwargs)
     return Group(env, intra, dev, backend, dist.group.WORLD)
+
+
+def _life_store(env: GroupEnv, life: str, timeout: float) -> Any:
+    """torchrun's store, under a prefix of this life's own (``TORCHELASTIC_RESTART_COUNT``).
+
+    After ``--max-restarts`` brings a group back, the agent's store (same address,
+    same port) still holds the keys the dead life's process group wrote there (each
+    rank's gloo address among them): a new life reading those would connect to
+    ranks that are gone. A prefix per life keeps the lives apart."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env.master_addr, env.master_port, env.size, is_master=not agent and env.rank == 0,
+                          timeout=datetime.timedelta(seconds=timeout), multi_tenant=True)
+    return dist.PrefixStore(f"gossip-group/life-{life}/", store)
 
 
 def agree(group: Group, decision: Decision | None) -> Decision:

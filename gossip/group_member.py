@@ -24,6 +24,7 @@ message is dropped for a connection still opening.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import queue
@@ -40,7 +41,9 @@ from gossip.group import Decision, Group, GroupError, GroupSizeError, ShardView,
     members_at, rank_address
 from gossip.membership import topology_for
 from gossip.message import Message
+from gossip.compression import get_codec
 from gossip.mixing import MixReport
+from gossip.mixing.base import all_finite, decode_payload
 from gossip.mixing.settings import MixingSettings, build_rules
 from gossip.node import Node, NodeConfig, Release, Send, Wait
 from gossip.transport.sim import LinkModel, SimNetwork, parse_link
@@ -60,6 +63,20 @@ class _Shard(nn.Module):
     def __init__(self, flat: torch.Tensor) -> None:
         super().__init__()
         self.shard = nn.Parameter(flat, requires_grad=False)
+
+
+def sha256_of(t: torch.Tensor) -> str:
+    """The hash of a tensor's values (to tell that a joiner took exactly its donor's shard)."""
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _gather_ok(group: Group, value: Any) -> bool:
+    """Whether every rank of ``group`` has a ``value`` that is not None (a collective)."""
+    if group.pg is None:
+        return value is not None
+    flag = torch.tensor([0 if value is None else 1], device=group.device if group.backend == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _broadcast(group: Group, obj: Any) -> Any:
@@ -115,8 +132,19 @@ class GroupMember:
         self.rejected: Counter[str] = Counter()  # wire-level: messages that could not be decoded
         self.sent_sizes: list[int] = []  # bytes of each state message handed to the transport
         self.timed_out = 0  # synchronous rounds that waited ``timeout`` in vain
+        self.skipped_waits = 0  # rounds that stopped waiting for a group rank 0 declared down
         self._hellos: dict[str, dict] = {}  # partner address -> its latest hello's fields
         self._partners: set[str] = set()  # addresses whose connection is up both ways
+        self.plane: Any = None  # rank 0's GroupControl (gossip.group_control), when it runs one
+        self.status = "waiting"  # what rank 0's hellos say: waiting, then training
+        self.donor: str | None = None  # a training group this one joins (connect), if any
+        self.live: tuple[str, ...] = ()  # the groups that answered at connect
+        self.stopped = False  # rank 0 decided to stop
+        self._down: dict[str, tuple[int, int]] = {}  # rank-r address -> rounds lo..hi not to wait for it
+        self._handovers: list[Message] = []  # state-replies that arrived (a joiner's shard)
+        self.handed: list[dict] = []  # shards this rank handed to joiners: to, round, sha256
+        self.took: dict | None = None  # the shard this rank took when it joined: from, round, step, sha256
+        self._group_of: dict[str, str] = {}  # rank-r address -> group id
         self.members: tuple[str, ...] = ()
         self.node: Node | None = None
         self._set_members(groups)
@@ -134,6 +162,7 @@ class GroupMember:
     def _set_members(self, groups: tuple[str, ...]) -> None:
         topology = topology_for(self.topology_spec, len(groups), seed=self.seed)
         addresses = members_at(groups, self.rank)
+        self._group_of.update(zip(addresses, groups))
         if self.node is None:
             rule, policies = build_rules(self.mixing, topology)
             config = NodeConfig(steps=0, period=self.mixing.period, timeout=self.timeout,
@@ -145,7 +174,12 @@ class GroupMember:
             node._good = None  # the group's optimizer steps, not the node: no NaN-guard copy of the shard
             self.node = node
         else:
+            old = set(self.node.members)
             self.node.set_members(addresses, topology)
+            for a in addresses:
+                if a not in old:  # (re)admitted: a new life numbers its messages afresh
+                    self.node.forget_sender(a)
+                    self._down.pop(a, None)
         self.members = groups
 
     # -- I/O thread ---------------------------------------------------------------------------
@@ -155,10 +189,20 @@ class GroupMember:
         except wire.WireError as e:
             self.rejected[e.reason] += 1
             return
-        if msg.kind in ("state", "hello") or self.control is None:
+        plane = self.plane
+        if plane is not None:
+            plane.saw(msg)  # any message from a group's rank 0 is a heartbeat
+            if msg.kind in ("ping", "bye", "state-request") or (msg.kind == "members" and msg.sender != self.id):
+                plane.receive(msg)
+                return
+        if msg.kind in ("state", "hello", "state-reply", "members") or self.control is None:
             self.inbound.put(msg)
         else:
             self.control(ident, frames)
+
+    def send_control(self, dst: str, msg: Message) -> None:
+        """Send a control message (any thread)."""
+        self.transport.send(dst, wire.encode(msg), droppable=False)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,6 +210,8 @@ class GroupMember:
         self.transport.start()
 
     def close(self) -> None:
+        if self.plane is not None:
+            self.plane.close()
         self.transport.close()
 
     def __enter__(self) -> "GroupMember":
@@ -185,10 +231,14 @@ class GroupMember:
         with rank r of every other group. Returns the sizes by group id.
         """
         others = [g for g in self.members if g != self.group_id]
-        outcome: tuple[str, Any] = ("ok", {})
+        outcome: tuple[str, Any] = ("ok", {}, tuple(others), None)
         if self.rank == 0:
             try:
-                heard = self._hello_with([rank_address(g, 0) for g in others], timeout)
+                # a group that trains already answers: this group joins it (a new life, or a
+                # late start) and need not wait for the groups that are gone
+                heard = self._hello_with([rank_address(g, 0) for g in others], timeout, enough=self._one_trains)
+                live = tuple(sorted(f["group"] for f in heard.values()))
+                training = [f["group"] for f in heard.values() if f.get("status") == "training"]
                 sizes = {self.group_id: self.group.size}
                 sizes.update({f["group"]: f["group_size"] for f in heard.values()})
                 check_group_sizes(sizes)
@@ -196,28 +246,42 @@ class GroupMember:
                 if wrong:
                     raise GroupError(f"group(s) {', '.join(wrong)} run a different model or sharding than "
                                      f"group {self.group_id}")
-                outcome = ("ok", sizes)
+                outcome = ("ok", sizes, live, min(training) if training else None)
             except GroupError as e:
-                outcome = (type(e).__name__, str(e))
+                outcome = (type(e).__name__, str(e), (), None)
         outcome = _broadcast(self.group, outcome)
         if outcome[0] != "ok":
             raise (GroupSizeError if outcome[0] == "GroupSizeError" else GroupError)(outcome[1])
+        self.live, self.donor = tuple(outcome[2]), outcome[3]
         if self.rank != 0:
-            self._hello_with([rank_address(g, self.rank) for g in others], timeout)
+            self._hello_with([rank_address(g, self.rank) for g in self.live], timeout)
+        if self.donor is None:  # everyone starts together, from round 0
+            if set(self.live) != set(others):
+                self._set_members(tuple(sorted({self.group_id, *self.live})))
+            self.status = "training"
+            if self.plane is not None:
+                self.plane.training(self.members)
         return outcome[1]
+
+    def _one_trains(self) -> bool:
+        return any(self._hellos[p].get("status") == "training" for p in self._partners if p in self._hellos)
 
     def _hello(self, dst: str) -> None:
         x = {"group": self.group_id, "group_size": self.group.size, "rank": self.rank,
              "heard": sorted(self._hellos)}
+        if self.plane is not None:
+            x.update(self.plane.incarnation_fields())
         msg = Message("hello", self.id, 0, 0, 0, extra=x, fingerprint=self.view.fingerprint)
         self.transport.send(dst, wire.encode(msg), droppable=False)
 
-    def _hello_with(self, partners: list[str], timeout: float) -> dict[str, dict]:
-        """Hellos with ``partners`` until each has heard us and we each of them; their fields."""
+    def _hello_with(self, partners: list[str], timeout: float,
+                    enough: Callable[[], bool] | None = None) -> dict[str, dict]:
+        """Hellos with ``partners`` until each has heard us and we each of them (or, sooner,
+        until ``enough()``); the fields of those heard both ways."""
         want = set(partners)
         deadline = self.clock() + timeout
         next_hello = self.clock()
-        while not want <= self._partners:
+        while not want <= self._partners and not (enough is not None and enough()):
             now = self.clock()
             if now >= deadline:
                 missing = sorted(want - self._partners)
@@ -228,7 +292,7 @@ class GroupMember:
                     self._hello(p)
                 next_hello = now + HELLO_EVERY
             self._pump(min(deadline, next_hello) - now)
-        return {p: self._hellos[p] for p in partners}
+        return {p: self._hellos[p] for p in partners if p in self._partners}
 
     # -- incoming -------------------------------------------------------------------------------
     def _pump(self, block: float) -> None:
@@ -247,7 +311,8 @@ class GroupMember:
     def _handle(self, msg: Message) -> None:
         if msg.kind == "hello":
             x = msg.extra
-            fields = {"group": x.get("group"), "group_size": x.get("group_size"), "fp": msg.fingerprint}
+            fields = {"group": x.get("group"), "group_size": x.get("group_size"), "fp": msg.fingerprint,
+                      "status": x.get("status")}
             if not isinstance(fields["group"], str) or not isinstance(x.get("heard"), list):
                 self.rejected["hello"] += 1
                 return
@@ -260,6 +325,22 @@ class GroupMember:
         elif msg.kind == "state":
             assert self.node is not None
             self.node.deliver(msg)  # validated there: member, fingerprint, size, replay, finite
+        elif msg.kind == "members" and msg.sender == rank_address(self.group_id, 0):
+            x = msg.extra  # rank 0's down notice: stop waiting for these groups in rounds lo..hi
+            lo, hi, groups = x.get("lo"), x.get("hi"), x.get("groups")
+            if x.get("op") != "down" or type(lo) is not int or type(hi) is not int or not isinstance(groups, list):
+                self.rejected["control"] += 1
+                return
+            for g in groups:
+                if isinstance(g, str):
+                    a = rank_address(g, self.rank)
+                    old = self._down.get(a)
+                    self._down[a] = (lo, hi) if old is None else (min(lo, old[0]), max(hi, old[1]))
+        elif msg.kind == "state-reply":
+            if len(self._handovers) < 4 and self.status != "training":
+                self._handovers.append(msg)  # a joiner's shard, from rank r of its donor
+            else:
+                self.rejected["unsolicited"] += 1
         else:
             self.rejected["kind"] += 1
 
@@ -276,12 +357,15 @@ class GroupMember:
         node = self.node
         assert node is not None
         if self.group.rank == 0 and decision is None:
-            decision = Decision(node.round, self.members)
+            decision = self.plane.decide(node.round) if self.plane is not None else Decision(node.round, self.members)
         d = agree(self.group, decision)
+        if d.verdict == "stop":
+            self.stopped = True
         if d.verdict != "mix":
             return None
         if d.members != self.members:
             self._set_members(d.members)
+        self._pump(0.0)  # hellos (a joiner connecting), notices; states for members, now that they are set
         if d.round > node.round:
             node.align(d.round)
         node.step = step
@@ -296,6 +380,8 @@ class GroupMember:
                 node.state.rehome(into=home)
         self.view.after_mix()
         node.last_from.clear()  # it would keep a shard's worth of received frames alive until next round
+        for g in d.handover:
+            self._hand_over(g, d)
         t = node.mix_totals
         return MixReport(t.mixed - before.mixed, t.missing - before.missing, t.late - before.late)
 
@@ -344,6 +430,10 @@ class GroupMember:
         assert node is not None
         deadline = self.clock() + timeout
         while not node.ready():
+            if self._all_down():
+                self.skipped_waits += 1
+                log.info("%s: round %d: %s down, not waited for", self.id, node.round, ", ".join(node.awaited()))
+                return
             remaining = deadline - self.clock()
             if remaining <= 0:
                 self.timed_out += 1
@@ -352,15 +442,94 @@ class GroupMember:
             self._pump(remaining)
         self._pump(0.0)  # hellos of partners still connecting
 
+    def _all_down(self) -> bool:
+        """Whether every sender the node still waits for is down for the round it waits in."""
+        node = self.node
+        assert node is not None
+        if not self._down or node.waiting is None:
+            return False
+        rnd = node.waiting[1]
+        for a in node.awaited():
+            span = self._down.get(a)
+            if span is None or not span[0] <= rnd <= span[1]:
+                return False
+        return True
+
+    # -- joining ----------------------------------------------------------------------------------
+    def _hand_over(self, joiner: str, d: Decision) -> None:
+        """After round ``d.round``'s mix: this rank's shard (and the outer momentum) to rank r of ``joiner``."""
+        node = self.node
+        assert node is not None
+        values, extra = node.handover()
+        members = sorted({*d.members, *d.handover})
+        x = {"group": self.group_id, "members": members, **extra}
+        msg = Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(values.cpu()),
+                      None, x, self.view.fingerprint)
+        dst = rank_address(joiner, self.rank)
+        self.send_control(dst, msg)
+        self.handed.append({"to": dst, "round": node.round, "step": node.step, "sha256": sha256_of(values)})
+        log.info("%s: handed its shard to %s for round %d", self.id, dst, node.round)
+
+    def join(self, timeout: float = 60.0) -> int:
+        """Join the training groups as a new life (a collective, after :meth:`connect` found
+        a donor): rank 0 asks the donor group to take this group in; at the end of one of its
+        rounds each rank r of the donor sends its shard to rank r here; every rank takes it
+        and the group goes on from the donor's round and step. Returns that local step."""
+        node = self.node
+        assert node is not None and self.donor is not None
+        donor = rank_address(self.donor, self.rank)
+        deadline = self.clock() + timeout
+        ask = self.clock()
+        got: Message | None = None
+        while got is None:
+            now = self.clock()
+            if now >= deadline:
+                break
+            if self.plane is not None and now >= ask:
+                self.plane.ask_to_join(self.donor)
+                ask = now + max(1.0, 4 * self.plane.heartbeat)
+            self._pump(min(deadline, ask) - now if self.plane is not None else deadline - now)
+            for m in self._handovers:
+                if m.sender == donor and m.data is not None and m.data.numel == node.handover_numel(m.extra) \
+                        and isinstance(m.extra.get("members"), list):
+                    got = m
+            self._handovers.clear()
+        header = (got.round, got.progress, tuple(got.extra["members"])) if got is not None else None
+        ok = _gather_ok(self.group, header)
+        if not ok:
+            raise RuntimeError(f"rank {self.rank} of group {self.group_id}: no shard from group {self.donor} "
+                               f"within {timeout:g} s")
+        assert got is not None
+        rnd, step, members = _broadcast(self.group, header)  # rank 0's word, the same on every rank
+        values = decode_payload(got, node.state.flat)
+        if not all_finite(values):
+            raise RuntimeError(f"rank {self.rank} of group {self.group_id}: the shard from {donor} is not finite")
+        node.adopt_handover(values, got.extra)
+        self.view.after_mix()  # (DDP: the replicas whole again)
+        self._set_members(tuple(members))
+        node.step = step
+        for ch in node.channels:
+            ch.round = rnd * node.channels[0].period // ch.period
+        self.took = {"from": donor, "round": rnd, "step": step, "sha256": sha256_of(self.view.flat)}
+        self.status = "training"
+        if self.plane is not None:
+            self.plane.training(members)
+        log.info("%s: took the shard of %s; training from step %d, round %d", self.id, donor, step, rnd)
+        return step
+
     def summary(self) -> dict[str, Any]:
         """Figures of this rank's gossip (bytes are what its transport saw)."""
         t = self.transport
         node = self.node
         assert node is not None
+        own = {rank_address(self.group_id, r) for r in range(self.group.size)}  # rank 0's down notices
         return {"id": self.id, "group": self.group_id, "rank": self.rank, "group_size": self.group.size,
                 "shard_numel": self.view.flat.numel(), "model_numel": self.view.total,
                 "resident_numel": self.view.resident, "round": node.round,
-                "sent_sizes": list(self.sent_sizes), "bytes_sent": dict(t.bytes_sent),
+                "sent_sizes": list(self.sent_sizes),
+                "bytes_sent": {a: n for a, n in t.bytes_sent.items() if a not in own},
+                "bytes_sent_own_group": {a: n for a, n in t.bytes_sent.items() if a in own},
                 "bytes_received": dict(t.bytes_received), "max_message_bytes": t.max_message_size,
                 "mixed": node.mix_totals.mixed, "missing": node.mix_totals.missing, "timed_out": self.timed_out,
+                "skipped_waits": self.skipped_waits, "handed": list(self.handed), "took": self.took,
                 "rejected": dict(node.rejected + self.rejected), "dropped": dict(t.dropped)}

@@ -26,11 +26,13 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Sequence
 
 import torch
 
 from gossip.group import INTRA, GroupError, start_group
+from gossip.group_control import GroupControl
 from gossip.group_checkpoint import latest_group_checkpoint, load_group_checkpoint, save_group_checkpoint
 from gossip.group_member import GroupMember
 from gossip.mixing.settings import MixingSettings
@@ -55,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30.0, help="synchronous round timeout, seconds")
     p.add_argument("--connect-timeout", type=float, default=60.0, help="how long to wait for the other groups")
+    p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between rank 0's pings to other groups")
+    p.add_argument("--dead-after", type=float, default=3.0,
+                   help="a group whose rank 0 is silent this long is dropped (detection: dead-after + heartbeat)")
+    p.add_argument("--join-timeout", type=float, default=60.0,
+                   help="how long a joining group waits for its donor's shards")
+    p.add_argument("--stop-file", default=None, help="once this file exists, rank 0 ends the run at the next round")
+    p.add_argument("--trace", action="store_true", help="one JSON line per event on stderr ('trace {...}')")
     p.add_argument("--emulate", default=None, help="this rank's link, e.g. bandwidth=1Gbit,latency=1ms")
     p.add_argument("--out", default=None, help="directory for each rank's figures and the final parameters")
     p.add_argument("--checkpoint-dir", default=None, help="where the group writes its sharded checkpoints")
@@ -69,6 +78,8 @@ def run(args: argparse.Namespace) -> dict:
     groups = tuple(g.strip() for g in args.groups.split(",") if g.strip())
     if args.group not in groups:
         raise GroupError(f"--group {args.group} is not in --groups {args.groups}")
+    if not 0 < args.heartbeat < args.dead_after:
+        raise GroupError(f"need 0 < --heartbeat < --dead-after, got {args.heartbeat:g} and {args.dead_after:g}")
     mixing = MixingSettings(compression=args.compression, period=args.period, overlap=args.overlap)
     group = start_group(args.intra, args.device)
     try:
@@ -80,7 +91,23 @@ def run(args: argparse.Namespace) -> dict:
         stream = task.stream(index * k + group.rank, len(groups) * k, "iid", args.seed, group.device)
         member = GroupMember(group, view, args.group, sorted(groups), mixing=mixing, topology=args.topology,
                              timeout=args.timeout, emulate=args.emulate, seed=args.seed)
+        life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+        def trace(event: str, fields: dict | None = None) -> None:
+            if args.trace:
+                line = {"event": event, "group": args.group, "rank": group.rank, "pid": os.getpid(), "life": life,
+                        **(fields or {})}
+                sys.stderr.write("trace " + json.dumps(line) + "\n")  # one write: the ranks share the stream
+                sys.stderr.flush()
+
+        plane = None
+        if group.rank == 0:
+            plane = member.plane = GroupControl(member, heartbeat=args.heartbeat, dead_after=args.dead_after,
+                                                on_event=lambda kind, e: trace(kind, {k: v for k, v in e.items()
+                                                                                      if k != "event"}))
         with member:
+            if plane is not None:
+                plane.start()
             first = 1
             if args.resume:
                 path = latest_group_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
@@ -88,7 +115,15 @@ def run(args: argparse.Namespace) -> dict:
                     raise GroupError(f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir}")
                 first = load_group_checkpoint(path, group, model, optimizer, member, stream) + 1
             member.connect(args.connect_timeout)
+            if member.donor is not None:  # the others train already: a new life, pulling each shard
+                trace("joining", {"donor": member.donor})
+                first = member.join(args.join_timeout) + 1
+                trace("joined", {"donor": member.donor, "step": first - 1, "round": member.node.round})
+            trace("training", {"step": first})
             loss = float("nan")
+            gaps: list[float] = []  # seconds between the ends of consecutive local steps (waits included)
+            last = time.monotonic()
+            step = first - 1
             for step in range(first, args.steps + 1):
                 optimizer.zero_grad(set_to_none=True)
                 out = task.loss(model, stream.next())
@@ -96,15 +131,29 @@ def run(args: argparse.Namespace) -> dict:
                 optimizer.step()
                 loss = float(out.detach())
                 if step % args.period == 0:
+                    if plane is not None and args.stop_file and os.path.exists(args.stop_file):
+                        plane.request_stop()
                     member.exchange(step)
+                    if member.stopped:
+                        break
                     if not view.is_bound():
                         raise RuntimeError("the model's parameters no longer live in the gossip shard")
+                    if plane is not None:
+                        trace("round", {"round": member.node.round, "step": step, "members": list(member.members)})
                 if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
                     save_group_checkpoint(args.checkpoint_dir, step, group, model, optimizer, member, stream)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
             member.finish()  # with --overlap, the last round is still in flight
             summary = member.summary()
             group.barrier()  # every rank's last round is mixed before the group says goodbye
-        summary.update(loss=loss, steps=args.steps, intra=args.intra, device=str(group.device))
+            if plane is not None:
+                plane.bye(member.node.round)
+                summary.update(incarnation=plane.incarnation, events=list(plane.events))
+            trace("done", {"step": step, "round": member.node.round})
+        summary.update(loss=loss, steps=args.steps, intra=args.intra, device=str(group.device), first_step=first,
+                       last_step=step, step_gaps=gaps, life=life)
         full = view.full_state()
         if args.out:
             port = args.group.rpartition(":")[2]
