@@ -53,10 +53,13 @@ def test_killing_two_of_eight_nodes_costs_only_their_work(tmp_path):
             logs = "".join(x.log() for x in survivors)
     faulty, clean = results["faulty"], results["clean"]
     assert "removed: silent for more than 2 s" in logs
+    # nobody stalled longer than detection (2 s of silence) plus a heartbeat and this
+    # machine's own hiccups (the clean run's longest gap, at least 1.25 s), and never
+    # as long as a round that waits out --timeout (5 s) for a dead neighbour
+    bound = min(2.0 + 0.25 + max(1.25, max(s["max_step_gap_s"] for s in clean)), 4.9)
     for s in faulty:
         assert s["steps"] == steps and s["members"] == 6, s
-        # nobody stalled longer than detection (2 s of silence) plus a heartbeat and scheduling slack
-        assert s["max_step_gap_s"] < 2.0 + 1.5, s["max_step_gap_s"]
+        assert s["max_step_gap_s"] < bound, (s["max_step_gap_s"], bound)
     acc = lambda rs: sum(r["final_accuracy"] for r in rs) / len(rs)  # noqa: E731
     assert acc(faulty) >= acc(clean) - 0.01, (acc(faulty), acc(clean))
 
