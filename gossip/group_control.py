@@ -104,6 +104,8 @@ class GroupControl:
         self.active: dict[str, int] = {}  # the groups this one mixes with -> the life that trains
         self.requests: dict[str, int] = {}  # joiners asking for a handover -> their life
         self.handed_over: dict[str, int] = {}  # joiners given a handover -> the life (its requests resent are old)
+        self.handed_at: dict[str, float] = {}  # joiner -> when its last handover was decided
+        self.rehand_after = max(3.0, 8 * self.heartbeat)  # a joiner still asking this long after: hand over anew
         self.stop_requested = False
         self.final_round: int | None = None
         self.on_event = on_event
@@ -184,7 +186,11 @@ class GroupControl:
                 if self.status != "training" or self.stop_requested or m is None or m.incarnation != x["inc"]:
                     return  # not ours to serve (yet): it asks again
                 if self.handed_over.get(sender) == x["inc"]:
-                    return  # taken in already; the handover is on its way
+                    if self.clock() - self.handed_at.get(sender, 0.0) < self.rehand_after:
+                        return  # taken in already; the handover is on its way
+                    # it asks long after: some rank of it did not get its shard (it keeps asking
+                    # until all have one of one round); hand over again, at a round of its own
+                    log.warning("%s: group %s asks again for its shards; handing them over anew", self.group_id, sender)
                 if sender in self.active:  # an older life, or one that took itself for a joiner: it waits
                     self._drop(sender, "asks to join (a new life)")
                 self.requests[sender] = x["inc"]
@@ -224,6 +230,7 @@ class GroupControl:
                 inc = self.requests.pop(g)
                 self.active[g] = inc
                 self.handed_over[g] = inc
+                self.handed_at[g] = self.clock()
                 self._event("handover", group=g, round=rnd + 1)
                 note = {"op": "joined", "group": self.group_id, "inc": self.incarnation, "joiner": g,
                         "joiner_inc": inc, "round": rnd + 1}

@@ -55,6 +55,7 @@ log = logging.getLogger("gossip.group")
 
 UNSHAPED = LinkModel(latency=0.0, bandwidth=math.inf)
 HELLO_EVERY = 0.1  # seconds between hellos to a partner that has not answered yet
+JOIN_CHECK = 0.25  # seconds a joining group listens between comparing notes on the shards it got
 
 
 class _Shard(nn.Module):
@@ -70,13 +71,15 @@ def sha256_of(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
-def _gather_ok(group: Group, value: Any) -> bool:
-    """Whether every rank of ``group`` has a ``value`` that is not None (a collective)."""
+def _rounds_agree(group: Group, rnd: int, late: bool) -> tuple[int, int, bool]:
+    """The lowest and highest of the ranks' ``rnd`` and whether any rank is ``late`` (a collective)."""
     if group.pg is None:
-        return value is not None
-    flag = torch.tensor([0 if value is None else 1], device=group.device if group.backend == "nccl" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+        return rnd, rnd, late
+    t = torch.tensor([rnd, -rnd, -int(late)], dtype=torch.int64,
+                     device=group.device if group.backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    lo, neg_hi, neg_late = (int(v) for v in t.tolist())
+    return lo, -neg_hi, neg_late < 0
 
 
 def _broadcast(group: Group, obj: Any) -> Any:
@@ -255,6 +258,7 @@ class GroupMember:
         self.live, self.donor = tuple(outcome[2]), outcome[3]
         if self.rank != 0:
             self._hello_with([rank_address(g, self.rank) for g in self.live], timeout)
+        self.group.barrier()  # every rank's connections are up before rank 0 asks a donor for shards
         if self.donor is None:  # everyone starts together, from round 0
             if set(self.live) != set(others):
                 self._set_members(tuple(sorted({self.group_id, *self.live})))
@@ -480,26 +484,30 @@ class GroupMember:
         donor = rank_address(self.donor, self.rank)
         deadline = self.clock() + timeout
         ask = self.clock()
+        every = max(1.0, 4 * self.plane.heartbeat) if self.plane is not None else 1.0
         got: Message | None = None
-        while got is None:
-            now = self.clock()
-            if now >= deadline:
+        while True:
+            # listen a moment, then compare notes: done once every rank holds a shard of one round
+            # (a rank whose shard was lost makes rank 0 ask again, and the donor hands over anew)
+            until = self.clock() + JOIN_CHECK
+            while (now := self.clock()) < until:
+                if self.plane is not None and now >= ask:
+                    self.plane.ask_to_join(self.donor)
+                    ask = now + every
+                self._pump((min(until, ask) if self.plane is not None else until) - now)
+                for m in self._handovers:
+                    if m.sender == donor and m.data is not None and m.data.numel == node.handover_numel(m.extra) \
+                            and isinstance(m.extra.get("members"), list) and (got is None or m.round >= got.round):
+                        got = m
+                self._handovers.clear()
+            lo, hi, late = _rounds_agree(self.group, got.round if got is not None else -1, self.clock() >= deadline)
+            if lo >= 0 and lo == hi:
                 break
-            if self.plane is not None and now >= ask:
-                self.plane.ask_to_join(self.donor)
-                ask = now + max(1.0, 4 * self.plane.heartbeat)
-            self._pump(min(deadline, ask) - now if self.plane is not None else deadline - now)
-            for m in self._handovers:
-                if m.sender == donor and m.data is not None and m.data.numel == node.handover_numel(m.extra) \
-                        and isinstance(m.extra.get("members"), list):
-                    got = m
-            self._handovers.clear()
-        header = (got.round, got.progress, tuple(got.extra["members"])) if got is not None else None
-        ok = _gather_ok(self.group, header)
-        if not ok:
-            raise RuntimeError(f"rank {self.rank} of group {self.group_id}: no shard from group {self.donor} "
-                               f"within {timeout:g} s")
+            if late:
+                raise RuntimeError(f"rank {self.rank} of group {self.group_id}: no shard of one round on every rank "
+                                   f"from group {self.donor} within {timeout:g} s")
         assert got is not None
+        header = (got.round, got.progress, tuple(got.extra["members"]))
         rnd, step, members = _broadcast(self.group, header)  # rank 0's word, the same on every rank
         values = decode_payload(got, node.state.flat)
         if not all_finite(values):

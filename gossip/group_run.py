@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
         def trace(event: str, fields: dict | None = None) -> None:
             if args.trace:
                 line = {"event": event, "group": args.group, "rank": group.rank, "pid": os.getpid(), "life": life,
-                        **(fields or {})}
+                        "time": time.time(), **(fields or {})}
                 sys.stderr.write("trace " + json.dumps(line) + "\n")  # one write: the ranks share the stream
                 sys.stderr.flush()
 
