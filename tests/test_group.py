@@ -524,3 +524,163 @@ def test_with_overlap_a_round_is_mixed_at_the_next_exchange_and_the_last_at_fini
         assert torch.allclose(va.flat, torch.full((n,), 1.0 + 0.5 * 4.0))
         assert torch.allclose(vb.flat, torch.full((n,), 4.0 + 0.5 * (0.0 - 4.0)))
         assert ma.finish().mixed == 0  # nothing left
+
+
+# -- a group dies, torchrun brings it back, it rejoins -------------------------------------------
+
+DEAD_AFTER, HEARTBEAT = 2.0, 0.25  # the detection time is DEAD_AFTER + HEARTBEAT
+
+
+def _traces(path: Path) -> list[dict]:
+    """The ``trace {...}`` lines a group's ranks wrote (``--trace``) so far."""
+    out = []
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("trace {"):
+            try:
+                out.append(json.loads(line[6:]))
+            except ValueError:  # a line still being written
+                pass
+    return out
+
+
+def _untraced(path: Path, n: int = 3000) -> str:
+    """The end of a group's stderr, without its trace lines."""
+    return "\n".join(line for line in path.read_text(errors="replace").splitlines()
+                     if not line.startswith("trace {"))[-n:]
+
+
+def _wait_for(what: str, check, procs: dict, errs: dict, limit: float = LIMIT):
+    """Poll ``check()`` (every 50 ms) until it returns something true; fail if a torchrun
+    ends first or ``limit`` seconds pass."""
+    import time
+
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        for name, p in procs.items():
+            if p.poll() is not None:
+                raise AssertionError(f"torchrun of group {name} ended (rc {p.returncode}) while waiting for {what}:\n"
+                                     f"{_untraced(errs[name])}")
+        time.sleep(0.05)
+    raise AssertionError(f"no {what} within {limit:g} s:\n" + "\n".join(_untraced(e, 1500) for e in errs.values()))
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def test_a_group_killed_mid_run_restarts_through_torchrun_and_rejoins_while_the_other_keeps_training(
+        tmp_path: Path) -> None:
+    import subprocess
+    import time
+
+    k = 2
+    groups: dict[str, str] = {}
+    masters: dict[str, int] = {}
+    taken: set[int] = set()
+    for name in "AB":  # no port twice: a group's ranks listen on base .. base+k-1, torchrun on its own
+        while True:
+            base, master = free_base(k), free_base(1)
+            ports = {*range(base, base + k), master}
+            if len(ports) == k + 1 and not ports & taken:
+                break
+        taken |= ports
+        groups[name], masters[name] = f"127.0.0.1:{base}", master
+    stop = tmp_path / "stop"
+    procs: dict[str, subprocess.Popen] = {}
+    errs = {name: tmp_path / f"{name}.err" for name in groups}
+    env = {v: os.environ[v] for v in os.environ if v not in TORCHRUN_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    try:
+        for name, gid in groups.items():
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(k),
+                   "--master-addr", "127.0.0.1", "--master-port", str(masters[name]), "--monitor-interval", "0.1",
+                   "--max-restarts", "1" if name == "B" else "0",
+                   "-m", "gossip.group_run", "--group", gid, "--groups", ",".join(groups.values()),
+                   "--intra", "fsdp", "--task", TASK, "--seed", str(SEED), "--steps", "1000000", "--period", "2",
+                   "--timeout", "30", "--connect-timeout", "60", "--join-timeout", "60",
+                   "--heartbeat", str(HEARTBEAT), "--dead-after", str(DEAD_AFTER),
+                   "--stop-file", str(stop), "--out", str(tmp_path), "--trace"]
+            with open(tmp_path / f"{name}.out", "w") as out, open(errs[name], "a") as err:  # appends: the ranks' lines never overwrite
+                procs[name] = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=tmp_path)
+
+        def rounds(name: str, life: str) -> list[dict]:
+            return [t for t in _traces(errs[name]) if t["event"] == "round" and t["life"] == life]
+
+        # both groups train together ...
+        _wait_for("rounds of B", lambda: len(rounds("B", "0")) >= 10 and len(rounds("A", "0")) >= 10, procs, errs)
+        victim = next(t["pid"] for t in _traces(errs["B"]) if t["event"] == "training" and t["rank"] == 1)
+        os.kill(victim, signal.SIGKILL)  # ... until one rank of B dies: B's whole group goes down
+        killed_at = len(rounds("A", "0"))
+        # torchrun restarts B; B's new life takes each rank's shard from A
+        joined = _wait_for("B's new life joining", lambda: [t for t in _traces(errs["B"])
+                                                            if t["event"] == "joined" and t["life"] == "1"], procs, errs)
+        first = joined[0]["round"]
+        _wait_for("rounds of A and B after the join",
+                  lambda: sum(1 for t in rounds("B", "1") if t["round"] >= first) >= 10
+                  and sum(1 for t in rounds("A", "0") if t["round"] >= first) >= 10, procs, errs)
+        stop.touch()
+        for name, p in procs.items():
+            try:
+                p.wait(timeout=LIMIT)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"torchrun of group {name} still running {LIMIT} s after the stop") from None
+        logs = {name: _untraced(errs[name]) for name in groups}
+        assert {name: p.returncode for name, p in procs.items()} == {"A": 0, "B": 0}, logs  # both finish
+    finally:
+        for p in procs.values():  # what is left of a failed run: torchrun and the ranks it started
+            if p.poll() is None:
+                workers = _children(p.pid)
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    for w in workers:
+                        try:
+                            os.kill(w, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    p.kill()
+                    p.wait(timeout=10)
+
+    ports = {name: gid.rpartition(":")[2] for name, gid in groups.items()}
+    a = [json.loads((tmp_path / f"rank-{ports['A']}-{r}.json").read_text()) for r in range(k)]
+    b = [json.loads((tmp_path / f"rank-{ports['B']}-{r}.json").read_text()) for r in range(k)]
+    lives = {t["life"] for t in _traces(errs["B"]) if t["event"] == "training"}
+    assert lives == {"0", "1"} and all(s["life"] == "1" for s in b)  # B's figures are its second life's
+    # A detected the death on its own (rank 0's heartbeats) and went on alone until B was back
+    events = [e["event"] for e in a[0]["events"]]
+    assert events[:2] == ["dropped", "handover"], a[0]["events"]
+    dropped, handover = a[0]["events"][:2]
+    assert "silent" in dropped["reason"] or "new life" in dropped["reason"]
+    alone = [t for t in _traces(errs["A"]) if t["event"] == "round" and t["members"] == [groups["A"]]]
+    assert alone and killed_at <= len(rounds("A", "0"))
+    # every rank r of B started its second life from the shard rank r of A handed it, at one round
+    for r in range(k):
+        (handed,) = a[r]["handed"]
+        took = b[r]["took"]
+        assert took["from"] == rank_address(groups["A"], r) and handed["to"] == rank_address(groups["B"], r)
+        assert took["sha256"] == handed["sha256"] and took["round"] == handed["round"] == first
+        assert took["step"] == handed["step"] == b[r]["first_step"] - 1
+    # then it trained in step with A: the same rounds, mixed with A's, neither waiting out a timeout
+    for s in a + b:
+        assert s["timed_out"] == 0 and s["rejected"] == {}, s
+    assert all(s["mixed"] >= 10 for s in b)
+    assert abs(a[0]["round"] - b[0]["round"]) <= 1
+    assert [t["members"] for t in rounds("B", "1")][0] == sorted(groups.values())
+    # A never waited for the dead group longer than the detection time: its longest gap between
+    # two local steps is within it, plus what a step and an ordinary round take here
+    gaps = a[0]["step_gaps"]
+    assert len(gaps) >= 100
+    ordinary = sorted(gaps)[len(gaps) * 99 // 100]  # the 99th percentile: a step and its round's wait
+    bound = DEAD_AFTER + HEARTBEAT + 0.5 + 4 * ordinary
+    assert max(gaps) <= bound, (max(gaps), bound, sorted(gaps)[-5:])
