@@ -8,11 +8,12 @@ rank, with no master handing out data.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["Split", "parse_split", "split_indices", "BatchStream", "node_seed"]
+__all__ = ["Split", "parse_split", "split_indices", "BatchStream", "StackedDraws", "node_seed"]
 
 
 @dataclass(frozen=True)
@@ -161,3 +162,60 @@ class BatchStream:
         self._order_len = len(self._order)
         self._pos = int(state["pos"])
         self.epoch = int(state["epoch"])
+
+
+class StackedDraws:
+    """The next batch of many :class:`BatchStream` of one batch size at once.
+
+    ``draw()`` is ``torch.stack([s.next_indices() for s in streams])``, and leaves
+    every stream exactly where that call would leave it (its generator included),
+    with less work per stream. A stream whose batch is its whole shard starts an
+    epoch at every call, so its batch is its shard in a fresh order: the shards are
+    stacked once, a one-sample shard draws nothing (as ``next_indices`` has it) and
+    a larger one draws only its ``randperm``; the orders are gathered in one call.
+    Other streams take their own ``next_indices()``.
+    """
+
+    def __init__(self, streams: Sequence[BatchStream]) -> None:
+        self.streams = list(streams)
+        if not self.streams:
+            raise ValueError("no streams to draw from")
+        self.size = size = self.streams[0].batch_size
+        if any(s.batch_size != size for s in self.streams):
+            raise ValueError("the streams have different batch sizes")
+        whole = [j for j, s in enumerate(self.streams) if s._len == size]
+        self._whole = [self.streams[j] for j in whole]
+        self._whole_at = torch.tensor(whole, dtype=torch.long)
+        self._rest = [(j, s) for j, s in enumerate(self.streams) if s._len != size]
+        self._shards = torch.stack([s.shard for s in self._whole]) if whole else None
+        self._all_whole = not self._rest
+
+    def draw(self) -> torch.Tensor:
+        """Row j: the rows of the shared tensors that ``streams[j].next()`` would return."""
+        size, whole = self.size, self._whole
+        if any(s._pos + size <= s._order_len for s in whole):  # a restored stream mid-epoch: one at a time
+            return torch.stack([s.next_indices() for s in self.streams])
+        if whole:
+            if size == 1:  # randperm(1) draws nothing: each order is the shard itself
+                orders = self._shards
+                for s in whole:
+                    s._order = s.shard
+                    s._order_len = 1
+                    s._pos = 1
+                    s.epoch += 1
+            else:
+                perms = torch.stack([torch.randperm(size, generator=s.generator) for s in whole])
+                orders = torch.gather(self._shards, 1, perms)
+                for s, order in zip(whole, orders.unbind(0)):
+                    s._order = order
+                    s._order_len = size
+                    s._pos = size
+                    s.epoch += 1
+            if self._all_whole:
+                return orders
+        out = torch.empty(len(self.streams), size, dtype=torch.long)
+        if whole:
+            out[self._whole_at] = orders
+        for j, s in self._rest:
+            out[j] = s.next_indices()
+        return out
