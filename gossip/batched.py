@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from gossip.data import BatchStream
+from gossip.data import BatchStream, StackedDraws
 from gossip.replicas import ReplicaRows, StackedOptimizer, stacked_optimizer
 
 __all__ = ["ENGINES", "parse_engine", "batch_support", "BatchedSteps", "choose_engine"]
@@ -184,6 +184,8 @@ class BatchedSteps:
         self.optimizer = opt
         self.asked = [False] * len(self.nodes)  # node i has asked for a step not run yet
         self.pending: list[Any] = []
+        self._groups_all: list[tuple[list[int], list[Any], StackedDraws]] | None = None  # step_nodes of everyone
+        self._scratch: torch.Tensor | None = None  # [n, P], reused: gradients, a mixing product
         self.flushes = 0
         self.steps = 0
         for node in self.nodes:
@@ -204,6 +206,7 @@ class BatchedSteps:
         if self.asked[i]:
             self.flush()  # the old life's step is due on the row first
         self.nodes[i] = node
+        self._groups_all = None  # a new stream
         self.rows.bind(self.row_of[i], node.state)
         self.optimizer.reset(self.row_of[i])
         node.stepper = self
@@ -226,15 +229,70 @@ class BatchedSteps:
                 draw = node.stream.next()
                 key = _signature(draw)
             groups.setdefault(key, []).append((self.row_of[node.id], node, draw))
-        results: list[tuple[Any, float]] = []
+        results: list[tuple[list[Any], list[float]]] = []
         for members in groups.values():
             members.sort(key=lambda m: m[0])
-            results.extend(self._run(members))
-        for node, value in results:
+            draws = [d for _, _, d in members]
+            batch = self._gather(torch.stack(draws)) if self.fast else _stack(draws)
+            results.append(([m[1] for m in members], self._run([m[0] for m in members], batch)))
+        for nodes, values in results:
+            self._count(nodes, values)
+
+    def step_nodes(self, ids: Sequence[int]) -> None:
+        """One local step of each node in ``ids`` now: what :meth:`defer` of each and a
+        :meth:`flush` do, with the work per node vectorised where the streams allow
+        (:class:`gossip.data.StackedDraws`). The lockstep engine steps this way."""
+        if self.pending:
+            self.flush()
+        if not self.fast:
+            for i in ids:
+                self.defer(self.nodes[i])
+            self.flush()
+            return
+        if len(ids) == 0:
+            return
+        self.flushes += 1
+        self.steps += len(ids)
+        if len(ids) == len(self.nodes):
+            if self._groups_all is None:
+                self._groups_all = self._groups(range(len(self.nodes)))
+            groups = self._groups_all
+        else:
+            groups = self._groups(ids)
+        results = [(nodes, self._run(rows, self._gather(draws.draw()))) for rows, nodes, draws in groups]
+        for nodes, values in results:
+            self._count(nodes, values)
+
+    def _groups(self, ids: Any) -> list[tuple[list[int], list[Any], StackedDraws]]:
+        """``ids`` by batch size: each group's rows in order, its nodes in that order, their draws."""
+        by_size: dict[int, list[tuple[int, Any]]] = {}
+        for i in ids:
+            node = self.nodes[i]
+            by_size.setdefault(node.stream.batch_size, []).append((self.row_of[i], node))
+        out = []
+        for members in by_size.values():
+            members.sort(key=lambda m: m[0])
+            nodes = [nd for _, nd in members]
+            out.append(([r for r, _ in members], nodes, StackedDraws([nd.stream for nd in nodes])))
+        return out
+
+    def _gather(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t[idx].to(self.device, non_blocking=True) for t in self.tensors)
+
+    def _count(self, nodes: list[Any], values: list[float]) -> None:
+        for node, value in zip(nodes, values):
             if node.count_step(value):
                 node.after_update()
             else:  # the NaN guard put the last good parameters back; the optimizer starts afresh
                 self.optimizer.reset(self.row_of[node.id])
+
+    def scratch(self, rows: int) -> torch.Tensor:
+        """A ``[rows, P]`` work buffer of the matrix's dtype, kept between calls (a fresh
+        20 MB allocation every step costs page faults); its contents are not kept."""
+        matrix = self.rows.matrix
+        if self._scratch is None or self._scratch.shape[0] < rows:
+            self._scratch = torch.empty(matrix.shape[0], matrix.shape[1], dtype=matrix.dtype, device=matrix.device)
+        return self._scratch[:rows]
 
     def evaluate(self, nodes: Sequence[Any], block: int = 256) -> list[dict[str, float]] | None:
         """``task.evaluate`` of each of ``nodes``, computed for ``block`` rows at a time by
@@ -260,10 +318,9 @@ class BatchedSteps:
             out.extend(stacked(forward, self.device))
         return out
 
-    def _run(self, members: list[tuple[int, Any, Any]]) -> list[tuple[Any, float]]:
-        """One vectorised step over rows that share a batch shape; returns (node, loss) pairs."""
+    def _run(self, rows: list[int], batch: Any) -> list[float]:
+        """One vectorised step over ``rows`` (ascending), which share a batch shape; returns their losses."""
         matrix = self.rows.matrix
-        rows = [r for r, _, _ in members]
         k = len(rows)
         if rows[-1] - rows[0] + 1 == k:  # a block of rows: work on it in place
             sel: slice | torch.Tensor = slice(rows[0], rows[-1] + 1)
@@ -271,18 +328,13 @@ class BatchedSteps:
         else:
             sel = torch.tensor(rows, device=matrix.device)
             x = matrix.index_select(0, sel)
-        if self.fast:
-            idx = torch.stack([d for _, _, d in members])
-            batch = tuple(t[idx].to(self.device, non_blocking=True) for t in self.tensors)
-        else:
-            batch = _stack([d for _, _, d in members])
         params = {name: x[:, off:off + numel].view(k, *shape) for name, off, numel, shape in self.slots}
         grads, losses = self._grad(params, batch)
-        grad = torch.cat([grads[name].reshape(k, -1) for name, *_ in self.slots], dim=1)
-        self.optimizer.step(x, grad, sel)
+        # the gradient of each parameter as its columns: the optimizer steps them in place, uncopied
+        self.optimizer.step(x, [(off, grads[name].reshape(k, -1)) for name, off, *_ in self.slots], sel)
         if not isinstance(sel, slice):
             matrix.index_copy_(0, sel, x)
-        return list(zip([node for _, node, _ in members], losses.tolist()))
+        return losses.tolist()
 
 
 def choose_engine(engine: str, task: Any, nodes: Sequence[Any], measured: bool = False) -> tuple[BatchedSteps | None, str]:

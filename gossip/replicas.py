@@ -131,12 +131,19 @@ class StackedOptimizer:
             if self.max_sq is not None:
                 self.max_sq[row].zero_()
 
-    def step(self, x: torch.Tensor, grad: torch.Tensor, rows: slice | torch.Tensor) -> None:
+    def step(self, x: torch.Tensor, grad: torch.Tensor | list[tuple[int, torch.Tensor]],
+             rows: slice | torch.Tensor) -> None:
         """Update ``x`` (the ``[k, P]`` parameters of ``rows``) in place with ``grad``.
 
+        grad : ``[k, P]``, or its columns in pieces ``(offset, [k, width])`` that cover
+            them all (a vectorised step's gradient per parameter, not copied into one
+            matrix first: the same element-wise update, a piece at a time)
         rows : a ``slice`` of the matrix's rows (the state is read in place) or a
             1-D index tensor (the state is gathered and written back)
         """
+        if not isinstance(grad, torch.Tensor) and not self._whole:
+            grad = torch.cat([g for _, g in sorted(grad, key=lambda p: p[0])], dim=1)
+        pieces = None if isinstance(grad, torch.Tensor) else [(slice(o, o + g.shape[1]), g) for o, g in grad]
         contiguous = isinstance(rows, slice)
         names = ("buf",) if self.kind == "sgd" else ("exp_avg", "exp_avg_sq", "max_sq")
         full = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
@@ -151,12 +158,13 @@ class StackedOptimizer:
             lo, hi = float(steps.min()), float(steps.max())
             extra = lo if lo == hi else steps.unsqueeze(1)  # one count for all rows: torch's scalar arithmetic
         for cols, h in self.groups:
-            for c in ([slice(None)] if self._whole else cols):
+            cuts = pieces if pieces is not None else [(c, grad[:, c]) for c in ([slice(None)] if self._whole else cols)]
+            for c, g in cuts:
                 part = {k: t[:, c] for k, t in state.items()}
                 if self.kind == "sgd":
-                    _sgd(x[:, c], grad[:, c], part.get("buf"), extra, h)
+                    _sgd(x[:, c], g, part.get("buf"), extra, h)
                 else:
-                    _adam(x[:, c], grad[:, c], part["exp_avg"], part["exp_avg_sq"], part.get("max_sq"), extra, h)
+                    _adam(x[:, c], g, part["exp_avg"], part["exp_avg_sq"], part.get("max_sq"), extra, h)
         if not contiguous:
             for k, t in full.items():
                 t.index_copy_(0, rows, state[k])

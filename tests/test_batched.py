@@ -553,3 +553,42 @@ def test_auto_runs_a_piecewise_run_on_the_event_loop():
     early.network.partition([[0, 1, 2, 3], [4, 5, 6, 7]])
     early.run()
     assert early.engine == "batched" and "partitioned" in early.engine_note and early.network.lost > 0
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_stacked_draws_are_each_streams_own(batch):
+    """StackedDraws.draw() is every stream's next_indices() stacked, and leaves every
+    stream (order, position, epoch, generator) where those calls leave it: shards of
+    the batch size (a new epoch every call, one sample drawing nothing) and larger
+    ones, mixed, and a stream restored mid-epoch."""
+    from gossip.data import BatchStream, StackedDraws
+
+    data = (torch.arange(100),)
+    sizes = [batch, batch, 5, batch, 7, batch] if batch > 1 else [1, 1, 4, 1, 1]
+
+    def streams():
+        out, lo = [], 0
+        for j, n in enumerate(sizes):
+            out.append(BatchStream(data, list(range(lo, lo + n)), batch, seed=100 + j))
+            lo += n
+        return out
+
+    mine, theirs = streams(), streams()
+    draws = StackedDraws(mine)
+    for k in range(9):
+        if k == 4:  # a stream restored from another's state mid-epoch
+            theirs[2].next_indices()
+            for s in (mine[2], theirs[2]):
+                s.load_state_dict(theirs[2].state_dict())
+            state = dict(theirs[0].state_dict(), pos=0)  # a whole-shard stream whose order is not used up
+            for s in (mine[0], theirs[0]):
+                s.load_state_dict(state)
+        got = draws.draw()
+        want = torch.stack([s.next_indices() for s in theirs])
+        assert torch.equal(got, want), k
+    for a, b in zip(mine, theirs):
+        assert torch.equal(a.generator.get_state(), b.generator.get_state())
+        assert (a._pos, a.epoch) == (b._pos, b.epoch) and torch.equal(a._order, b._order)
+        assert torch.equal(a.next_indices(), b.next_indices())
+    with pytest.raises(ValueError, match="different batch sizes"):
+        StackedDraws([BatchStream(data, [0, 1], 2, seed=0), BatchStream(data, [2, 3, 4], 3, seed=0)])
