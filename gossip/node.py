@@ -196,7 +196,11 @@ def resolve_device(spec: str) -> torch.device:
 def init_model(task: Any, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The task's model initialised under ``seed``: every node gets the same start."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        # the CPU generator initialises the model; torch.manual_seed would also queue a lazy
+        # seeding (with a formatted stack) for each device type that is not there, per node
+        torch.default_generator.manual_seed(seed)
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed_all(seed)  # as torch.manual_seed does: a CUDA run's generators as before
         model = task.model()
     return model.to(device)
 
