@@ -62,7 +62,8 @@ __all__ = ["INTRA", "VERDICTS", "GroupEnv", "GroupError", "GroupSizeError", "Gro
 log = logging.getLogger("gossip.group")
 
 INTRA = ("ddp", "fsdp")
-VERDICTS = ("mix", "skip", "stop")  # exchange this round / no exchange this round / end training
+# exchange this round / no exchange this round / end training / take shards from ``donor`` (rejoin)
+VERDICTS = ("mix", "skip", "stop", "join")
 
 _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -181,6 +182,7 @@ class Decision:
     # joiners (group ids, not in ``members``): after this round's mix, rank r sends its
     # shard to rank r of each; they are members from the next round on
     handover: tuple[str, ...] = ()
+    donor: str | None = None  # verdict "join": the group whose shards every rank takes
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -189,6 +191,8 @@ class Decision:
             raise ValueError(f"round must be a non-negative integer, got {self.round!r}")
         object.__setattr__(self, "members", tuple(self.members))
         object.__setattr__(self, "handover", tuple(self.handover))
+        if (self.verdict == "join") != (self.donor is not None):
+            raise ValueError("a donor goes with the verdict 'join', and only with it")
         if set(self.handover) & set(self.members):
             raise ValueError(f"a group handed its shards joins the round after: {sorted(set(self.handover) & set(self.members))} "
                              "cannot be a member of this one")

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from gossip import wire
 from gossip.detector import make_detector
 from gossip.group import Decision, rank_address
-from gossip.membership import Membership
+from gossip.membership import Membership, stronger
 from gossip.message import Message
 
 if TYPE_CHECKING:
@@ -107,6 +107,9 @@ class GroupControl:
         self.handed_at: dict[str, float] = {}  # joiner -> when its last handover was decided
         self.rehand_after = max(3.0, 8 * self.heartbeat)  # a joiner still asking this long after: hand over anew
         self.stop_requested = False
+        self.dropped_lives: dict[str, int] = {}  # groups dropped for silence -> that life (alive after all?)
+        self.told: dict[str, float] = {}  # group -> when we last told it that we dropped it
+        self.rejoin_via: str | None = None  # the group whose shards this one takes at the next decision
         self.final_round: int | None = None
         self.on_event = on_event
         self.events: list[dict[str, Any]] = []
@@ -164,6 +167,13 @@ class GroupControl:
                 life = self.active.get(sender)
                 if life is not None and life and x["inc"] > life:
                     self._drop(sender, "restarted (a new life)")
+                elif self.dropped_lives.get(sender) == x["inc"] and status == "training" \
+                        and self.status == "training" and now - self.told.get(sender, -1e9) >= self._tell_every():
+                    # declared dead, yet it trains: tell it, so that one of us rejoins the other
+                    self.told[sender] = now
+                    note = {"op": "dropped", "group": self.group_id, "inc": self.incarnation,
+                            "members": list(self.members())}
+                    self._send(sender, Message("members", self.group_id, 0, 0, 0, extra=note))
             else:
                 self.detector.heard(sender, now)
 
@@ -194,6 +204,16 @@ class GroupControl:
                 if sender in self.active:  # an older life, or one that took itself for a joiner: it waits
                     self._drop(sender, "asks to join (a new life)")
                 self.requests[sender] = x["inc"]
+            elif msg.kind == "members" and x.get("op") == "dropped" and isinstance(x.get("members"), list):
+                if self.status != "training" or self.rejoin_via is not None:
+                    return
+                theirs = {g for g in x["members"] if isinstance(g, str)} | {sender}
+                if stronger(theirs, set(self.members())):  # ours goes on in theirs: a new life, via them
+                    self._rejoin(sender)
+                elif sender in self.active:  # theirs rejoins ours once we tell it (we hear it train)
+                    life = self.active[sender]
+                    self._drop(sender, "it dropped this group")
+                    self.dropped_lives[sender] = life
             elif msg.kind == "members" and x.get("op") == "joined":
                 g, inc = x.get("joiner"), x.get("joiner_inc")
                 if isinstance(g, str) and type(inc) is int and g != self.group_id and self.status == "training":
@@ -207,8 +227,11 @@ class GroupControl:
         with self.lock:
             verdicts = self.detector.tick(now)
             for g in verdicts.dead:
+                life = self.active.get(g)
                 self.membership.remove(g, f"silent for more than {self.dead_after:g} s")
                 self._drop(g, f"silent for more than {self.dead_after:g} s")
+                if life is not None:
+                    self.dropped_lives[g] = life
             probes = [g for g, kind in verdicts.probes if kind == "ping"]
             node = self.member.node
             rnd = node.round if node is not None else 0
@@ -223,6 +246,9 @@ class GroupControl:
             if self.stop_requested:
                 self.final_round = rnd
                 return Decision(rnd, self.members(), "stop")
+            if self.rejoin_via is not None:
+                donor, self.rejoin_via = self.rejoin_via, None
+                return Decision(rnd, (self.group_id,), "join", donor=donor)
             members = self.members()
             handover = tuple(sorted(g for g, inc in self.requests.items()
                                     if (m := self.membership.members.get(g)) is not None and m.incarnation == inc))
@@ -262,6 +288,26 @@ class GroupControl:
                                   extra={"group": self.group_id, "inc": self.incarnation}))
 
     # -- internals -------------------------------------------------------------------------------
+    def _tell_every(self) -> float:
+        return max(1.0, 4 * self.heartbeat)
+
+    def _rejoin(self, donor: str) -> None:
+        """This group was dropped by a stronger cluster (lock held): it leaves its own and
+        joins theirs as a new life at the next decision (:meth:`GroupMember.join`)."""
+        for g in list(self.active):
+            self._drop(g, f"rejoining through {donor}")
+        self.requests.clear()
+        self.dropped_lives.clear()
+        self.incarnation = new_incarnation()
+        self.membership.incarnation = self.incarnation
+        me = self.membership.members[self.group_id]
+        me.incarnation, me.status = self.incarnation, "waiting"
+        self.status = "waiting"
+        self.rejoin_via = donor
+        self._event("rejoin", group=donor)
+        log.warning("%s: dropped by the cluster of %s; rejoining it as a new life", self.group_id, donor)
+
+
     def _drop(self, g: str, reason: str, lo: int = 0, hi: int | None = None) -> None:
         """Stop mixing with ``g`` (lock held): out of the next decision, and every rank of
         this group stops waiting for it in the rounds ``lo..hi`` (default: up to now)."""

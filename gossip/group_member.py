@@ -143,8 +143,10 @@ class GroupMember:
         self.donor: str | None = None  # a training group this one joins (connect), if any
         self.live: tuple[str, ...] = ()  # the groups that answered at connect
         self.stopped = False  # rank 0 decided to stop
+        self.rejoining = False  # rank 0 decided to rejoin (through ``donor``): the driver calls join()
         self._down: dict[str, tuple[int, int]] = {}  # rank-r address -> rounds lo..hi not to wait for it
         self._handovers: list[Message] = []  # state-replies that arrived (a joiner's shard)
+        self._early: list[Message] = []  # states that arrived while joining, filed once it has joined
         self.handed: list[dict] = []  # shards this rank handed to joiners: to, round, sha256
         self.took: dict | None = None  # the shard this rank took when it joined: from, round, step, sha256
         self._group_of: dict[str, str] = {}  # rank-r address -> group id
@@ -328,6 +330,12 @@ class GroupMember:
                 self._hello(msg.sender)
         elif msg.kind == "state":
             assert self.node is not None
+            if self.status == "waiting" and self.donor is not None:
+                # joining: the members' first round may arrive before the shards and the member
+                # list do; it is filed once they have (a few rounds' worth at most)
+                if len(self._early) < 64:
+                    self._early.append(msg)
+                return
             self.node.deliver(msg)  # validated there: member, fingerprint, size, replay, finite
         elif msg.kind == "members" and msg.sender == rank_address(self.group_id, 0):
             x = msg.extra  # rank 0's down notice: stop waiting for these groups in rounds lo..hi
@@ -365,6 +373,10 @@ class GroupMember:
         d = agree(self.group, decision)
         if d.verdict == "stop":
             self.stopped = True
+        elif d.verdict == "join":  # dropped by a stronger cluster: take a member's shards, as a new life
+            self.donor, self.status, self.rejoining = d.donor, "waiting", True
+            self._handovers.clear()
+            self._early.clear()
         if d.verdict != "mix":
             return None
         if d.members != self.members:
@@ -519,7 +531,11 @@ class GroupMember:
         for ch in node.channels:
             ch.round = rnd * node.channels[0].period // ch.period
         self.took = {"from": donor, "round": rnd, "step": step, "sha256": sha256_of(self.view.flat)}
-        self.status = "training"
+        self.status, self.rejoining = "training", False
+        early, self._early = self._early, []
+        for m in early:
+            if m.round >= rnd:
+                node.deliver(m)
         if self.plane is not None:
             self.plane.training(members)
         log.info("%s: took the shard of %s; training from step %d, round %d", self.id, donor, step, rnd)

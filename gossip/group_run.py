@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> dict:
             gaps: list[float] = []  # seconds between the ends of consecutive local steps (waits included)
             last = time.monotonic()
             step = first - 1
-            for step in range(first, args.steps + 1):
+            while step < args.steps:
+                step += 1
                 optimizer.zero_grad(set_to_none=True)
                 out = task.loss(model, stream.next())
                 out.backward()
@@ -136,6 +137,10 @@ def run(args: argparse.Namespace) -> dict:
                     member.exchange(step)
                     if member.stopped:
                         break
+                    if member.rejoining:  # dropped by a stronger cluster: its shards, and its step
+                        trace("joining", {"donor": member.donor})
+                        step = member.join(args.join_timeout)
+                        trace("joined", {"donor": member.donor, "step": step, "round": member.node.round})
                     if not view.is_bound():
                         raise RuntimeError("the model's parameters no longer live in the gossip shard")
                     if plane is not None:
