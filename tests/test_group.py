@@ -578,68 +578,87 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def test_a_group_killed_mid_run_restarts_through_torchrun_and_rejoins_while_the_other_keeps_training(
-        tmp_path: Path) -> None:
-    import subprocess
-    import time
+class Torchruns:
+    """Groups A and B, each started by a real torchrun (2 ranks, FSDP, gloo) training until
+    ``stop`` exists, with --trace; torchrun and its ranks are stopped and reaped on exit."""
 
-    k = 2
-    groups: dict[str, str] = {}
-    masters: dict[str, int] = {}
-    taken: set[int] = set()
-    for name in "AB":  # no port twice: a group's ranks listen on base .. base+k-1, torchrun on its own
-        while True:
-            base, master = free_base(k), free_base(1)
-            ports = {*range(base, base + k), master}
-            if len(ports) == k + 1 and not ports & taken:
-                break
-        taken |= ports
-        groups[name], masters[name] = f"127.0.0.1:{base}", master
-    stop = tmp_path / "stop"
-    procs: dict[str, subprocess.Popen] = {}
-    errs = {name: tmp_path / f"{name}.err" for name in groups}
-    env = {v: os.environ[v] for v in os.environ if v not in TORCHRUN_VARS}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    try:
-        for name, gid in groups.items():
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(k),
-                   "--master-addr", "127.0.0.1", "--master-port", str(masters[name]), "--monitor-interval", "0.1",
-                   "--max-restarts", "1" if name == "B" else "0",
-                   "-m", "gossip.group_run", "--group", gid, "--groups", ",".join(groups.values()),
+    def __init__(self, tmp_path: Path, k: int = 2, restarts: dict[str, int] | None = None) -> None:
+        self.tmp, self.k = tmp_path, k
+        self.restarts = restarts or {}
+        self.groups: dict[str, str] = {}
+        self.masters: dict[str, int] = {}
+        taken: set[int] = set()
+        for name in "AB":  # no port twice: a group's ranks listen on base .. base+k-1, torchrun on its own
+            while True:
+                base, master = free_base(k), free_base(1)
+                ports = {*range(base, base + k), master}
+                if len(ports) == k + 1 and not ports & taken:
+                    break
+            taken |= ports
+            self.groups[name], self.masters[name] = f"127.0.0.1:{base}", master
+        if self.groups["A"] > self.groups["B"]:  # A's id first: between two lone groups, A's cluster is the stronger
+            self.groups["A"], self.groups["B"] = self.groups["B"], self.groups["A"]
+        self.stop = tmp_path / "stop"
+        self.procs: dict[str, object] = {}
+        self.errs = {name: tmp_path / f"{name}.err" for name in self.groups}
+
+    def start(self) -> None:
+        import subprocess
+
+        env = {v: os.environ[v] for v in os.environ if v not in TORCHRUN_VARS}
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        for name, gid in self.groups.items():
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.k),
+                   "--master-addr", "127.0.0.1", "--master-port", str(self.masters[name]), "--monitor-interval", "0.1",
+                   "--max-restarts", str(self.restarts.get(name, 0)),
+                   "-m", "gossip.group_run", "--group", gid, "--groups", ",".join(self.groups.values()),
                    "--intra", "fsdp", "--task", TASK, "--seed", str(SEED), "--steps", "1000000", "--period", "2",
                    "--timeout", "30", "--connect-timeout", "60", "--join-timeout", "60",
                    "--heartbeat", str(HEARTBEAT), "--dead-after", str(DEAD_AFTER),
-                   "--stop-file", str(stop), "--out", str(tmp_path), "--trace"]
-            with open(tmp_path / f"{name}.out", "w") as out, open(errs[name], "a") as err:  # appends: the ranks' lines never overwrite
-                procs[name] = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=tmp_path)
+                   "--stop-file", str(self.stop), "--out", str(self.tmp), "--trace"]
+            with open(self.tmp / f"{name}.out", "w") as out, open(self.errs[name], "a") as err:  # appends: the ranks' lines never overwrite
+                self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=self.tmp)
 
-        def rounds(name: str, life: str) -> list[dict]:
-            return [t for t in _traces(errs[name]) if t["event"] == "round" and t["life"] == life]
+    def traces(self, name: str) -> list[dict]:
+        return _traces(self.errs[name])
 
-        # both groups train together ...
-        _wait_for("rounds of B", lambda: len(rounds("B", "0")) >= 10 and len(rounds("A", "0")) >= 10, procs, errs)
-        victim = next(t["pid"] for t in _traces(errs["B"]) if t["event"] == "training" and t["rank"] == 1)
-        os.kill(victim, signal.SIGKILL)  # ... until one rank of B dies: B's whole group goes down
-        killed_at = len(rounds("A", "0"))
-        # torchrun restarts B; B's new life takes each rank's shard from A
-        joined = _wait_for("B's new life joining", lambda: [t for t in _traces(errs["B"])
-                                                            if t["event"] == "joined" and t["life"] == "1"], procs, errs)
-        first = joined[0]["round"]
-        _wait_for("rounds of A and B after the join",
-                  lambda: sum(1 for t in rounds("B", "1") if t["round"] >= first) >= 10
-                  and sum(1 for t in rounds("A", "0") if t["round"] >= first) >= 10, procs, errs)
-        stop.touch()
-        for name, p in procs.items():
+    def rounds(self, name: str, life: str) -> list[dict]:
+        return [t for t in self.traces(name) if t["event"] == "round" and t["life"] == life]
+
+    def wait_for(self, what: str, check):
+        return _wait_for(what, check, self.procs, self.errs)
+
+    def finish(self) -> None:
+        """Stop both groups through the stop file; both must exit 0."""
+        import subprocess
+
+        self.stop.touch()
+        for name, p in self.procs.items():
             try:
                 p.wait(timeout=LIMIT)
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"torchrun of group {name} still running {LIMIT} s after the stop") from None
-        logs = {name: _untraced(errs[name]) for name in groups}
-        assert {name: p.returncode for name, p in procs.items()} == {"A": 0, "B": 0}, logs  # both finish
-    finally:
-        for p in procs.values():  # what is left of a failed run: torchrun and the ranks it started
+        logs = {name: _untraced(self.errs[name]) for name in self.groups}
+        assert {name: p.returncode for name, p in self.procs.items()} == {"A": 0, "B": 0}, logs
+
+    def figures(self, name: str) -> list[dict]:
+        port = self.groups[name].rpartition(":")[2]
+        return [json.loads((self.tmp / f"rank-{port}-{r}.json").read_text()) for r in range(self.k)]
+
+    def __enter__(self) -> "Torchruns":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import subprocess
+
+        for p in self.procs.values():  # what is left of a failed run: torchrun and the ranks it started
             if p.poll() is None:
                 workers = _children(p.pid)
+                for w in workers:  # (a rank stopped by a test must be able to take torchrun's SIGTERM)
+                    try:
+                        os.kill(w, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
                 p.send_signal(signal.SIGTERM)
                 try:
                     p.wait(timeout=15)
@@ -652,35 +671,101 @@ def test_a_group_killed_mid_run_restarts_through_torchrun_and_rejoins_while_the_
                     p.kill()
                     p.wait(timeout=10)
 
-    ports = {name: gid.rpartition(":")[2] for name, gid in groups.items()}
-    a = [json.loads((tmp_path / f"rank-{ports['A']}-{r}.json").read_text()) for r in range(k)]
-    b = [json.loads((tmp_path / f"rank-{ports['B']}-{r}.json").read_text()) for r in range(k)]
-    lives = {t["life"] for t in _traces(errs["B"]) if t["event"] == "training"}
+
+def _assert_no_long_wait(figures: dict) -> None:
+    """A never waited for a dead or silent group longer than the detection time: its longest
+    gap between two local steps is within it, plus what a step and an ordinary round take here."""
+    gaps = figures["step_gaps"]
+    assert len(gaps) >= 100
+    ordinary = sorted(gaps)[len(gaps) * 99 // 100]  # the 99th percentile: a step and its round's wait
+    bound = DEAD_AFTER + HEARTBEAT + 0.5 + 4 * ordinary
+    assert max(gaps) <= bound, (max(gaps), bound, sorted(gaps)[-5:])
+
+
+def _assert_took_the_donors_shards(donor: list[dict], joiner: list[dict], groups: tuple[str, str]) -> int:
+    """Every rank r of the joiner started from the shard rank r of the donor handed it, at one round."""
+    rounds = set()
+    for r, (d, j) in enumerate(zip(donor, joiner)):
+        handed = d["handed"][-1]
+        took = j["took"]
+        assert took["from"] == rank_address(groups[0], r) and handed["to"] == rank_address(groups[1], r)
+        assert took["sha256"] == handed["sha256"] and took["round"] == handed["round"]
+        assert took["step"] == handed["step"]
+        rounds.add(took["round"])
+    assert len(rounds) == 1
+    return rounds.pop()
+
+
+def test_a_group_killed_mid_run_restarts_through_torchrun_and_rejoins_while_the_other_keeps_training(
+        tmp_path: Path) -> None:
+    with Torchruns(tmp_path, restarts={"B": 1}) as run:
+        run.start()
+        # both groups train together ...
+        run.wait_for("rounds of A and B", lambda: len(run.rounds("B", "0")) >= 10 and len(run.rounds("A", "0")) >= 10)
+        victim = next(t["pid"] for t in run.traces("B") if t["event"] == "training" and t["rank"] == 1)
+        os.kill(victim, signal.SIGKILL)  # ... until one rank of B dies: B's whole group goes down
+        # torchrun restarts B; B's new life takes each rank's shard from A
+        joined = run.wait_for("B's new life joining", lambda: [t for t in run.traces("B")
+                                                              if t["event"] == "joined" and t["life"] == "1"])
+        first = joined[0]["round"]
+        run.wait_for("rounds of A and B after the join",
+                     lambda: sum(1 for t in run.rounds("B", "1") if t["round"] >= first) >= 10
+                     and sum(1 for t in run.rounds("A", "0") if t["round"] >= first) >= 10)
+        run.finish()  # both finish
+    groups = run.groups
+    a, b = run.figures("A"), run.figures("B")
+    lives = {t["life"] for t in run.traces("B") if t["event"] == "training"}
     assert lives == {"0", "1"} and all(s["life"] == "1" for s in b)  # B's figures are its second life's
     # A detected the death on its own (rank 0's heartbeats) and went on alone until B was back
     events = [e["event"] for e in a[0]["events"]]
     assert events[:2] == ["dropped", "handover"], a[0]["events"]
-    dropped, handover = a[0]["events"][:2]
-    assert "silent" in dropped["reason"] or "new life" in dropped["reason"]
-    alone = [t for t in _traces(errs["A"]) if t["event"] == "round" and t["members"] == [groups["A"]]]
-    assert alone and killed_at <= len(rounds("A", "0"))
-    # every rank r of B started its second life from the shard rank r of A handed it, at one round
-    for r in range(k):
-        (handed,) = a[r]["handed"]
-        took = b[r]["took"]
-        assert took["from"] == rank_address(groups["A"], r) and handed["to"] == rank_address(groups["B"], r)
-        assert took["sha256"] == handed["sha256"] and took["round"] == handed["round"] == first
-        assert took["step"] == handed["step"] == b[r]["first_step"] - 1
+    assert "silent" in a[0]["events"][0]["reason"] or "new life" in a[0]["events"][0]["reason"]
+    assert any(t["members"] == [groups["A"]] for t in run.rounds("A", "0"))
+    assert _assert_took_the_donors_shards(a, b, (groups["A"], groups["B"])) == first
+    assert all(s["first_step"] - 1 == s["took"]["step"] for s in b)
     # then it trained in step with A: the same rounds, mixed with A's, neither waiting out a timeout
     for s in a + b:
         assert s["timed_out"] == 0 and s["rejected"] == {}, s
     assert all(s["mixed"] >= 10 for s in b)
     assert abs(a[0]["round"] - b[0]["round"]) <= 1
-    assert [t["members"] for t in rounds("B", "1")][0] == sorted(groups.values())
-    # A never waited for the dead group longer than the detection time: its longest gap between
-    # two local steps is within it, plus what a step and an ordinary round take here
-    gaps = a[0]["step_gaps"]
-    assert len(gaps) >= 100
-    ordinary = sorted(gaps)[len(gaps) * 99 // 100]  # the 99th percentile: a step and its round's wait
-    bound = DEAD_AFTER + HEARTBEAT + 0.5 + 4 * ordinary
-    assert max(gaps) <= bound, (max(gaps), bound, sorted(gaps)[-5:])
+    assert run.rounds("B", "1")[0]["members"] == sorted(groups.values())
+    _assert_no_long_wait(a[0])
+
+
+def test_a_group_paused_past_the_detection_time_is_dropped_and_rejoins_as_a_new_life(tmp_path: Path) -> None:
+    """SIGSTOP of a whole group for longer than dead_after: the other group drops it and trains
+    on; the paused one, back, hears that it was dropped and (its cluster the weaker) rejoins,
+    taking each rank's shard, without any torchrun restart."""
+    import time
+
+    with Torchruns(tmp_path) as run:
+        run.start()
+        run.wait_for("rounds of A and B", lambda: len(run.rounds("B", "0")) >= 10 and len(run.rounds("A", "0")) >= 10)
+        ranks = [t["pid"] for t in run.traces("B") if t["event"] == "training"]
+        assert len(ranks) == 2
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            run.wait_for("A dropping B", lambda: [t for t in run.traces("A") if t["event"] == "dropped"])
+            before = len(run.rounds("A", "0"))
+            run.wait_for("A training alone", lambda: len(run.rounds("A", "0")) >= before + 5)
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
+        joined = run.wait_for("B rejoining", lambda: [t for t in run.traces("B") if t["event"] == "joined"])
+        first = joined[0]["round"]
+        run.wait_for("rounds of A and B after the rejoin",
+                     lambda: sum(1 for t in run.rounds("B", "0") if t["round"] >= first) >= 10
+                     and sum(1 for t in run.rounds("A", "0") if t["round"] >= first) >= 10)
+        run.finish()
+    groups = run.groups
+    a, b = run.figures("A"), run.figures("B")
+    assert all(s["life"] == "0" for s in a + b)  # no restart: B's first life took A's shards
+    assert [e["event"] for e in a[0]["events"]][:2] == ["dropped", "handover"], a[0]["events"]
+    assert "rejoin" in [e["event"] for e in b[0]["events"]], b[0]["events"]
+    assert _assert_took_the_donors_shards(a, b, (groups["A"], groups["B"])) == first
+    for s in a + b:
+        assert s["timed_out"] == 0, s
+    assert abs(a[0]["round"] - b[0]["round"]) <= 1
+    _assert_no_long_wait(a[0])
+    del time
