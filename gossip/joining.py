@@ -78,6 +78,14 @@ class Joining:
                     # a cluster started afresh counting this life as a starter (it settled
                     # while we waited to join): nobody schedules a join; start with a member's state
                     return 0
+                if m.target and not any(t in m.members for t in m.target):
+                    # every member of the cluster it set out to join died meanwhile (a merge
+                    # takes only the members the two views do not share, maybe one). Those it
+                    # still knows may train on (one counted in both views, say): ask them,
+                    # and take the lists of whichever schedules the join
+                    log.warning("%s: every member of the cluster it joins (%s) is gone; asking the members "
+                                "it still knows", life.id, ", ".join(sorted(m.target)))
+                    m.target.clear()
                 others = m.others()
                 if m.target:  # joining another cluster: ask only its members
                     others = [o for o in others if o in m.target]
