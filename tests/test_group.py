@@ -676,8 +676,9 @@ def _assert_no_long_wait(figures: dict) -> None:
     """A never waited for a dead or silent group longer than the detection time: its longest
     gap between two local steps is within it, plus what a step and an ordinary round take here."""
     gaps = figures["step_gaps"]
-    assert len(gaps) >= 100
-    ordinary = sorted(gaps)[len(gaps) * 99 // 100]  # the 99th percentile: a step and its round's wait
+    assert len(gaps) >= 40
+    # the 90th percentile: a step and its round's wait (every other step exchanges), on this machine now
+    ordinary = sorted(gaps)[len(gaps) * 9 // 10]
     bound = DEAD_AFTER + HEARTBEAT + 0.5 + 4 * ordinary
     assert max(gaps) <= bound, (max(gaps), bound, sorted(gaps)[-5:])
 
