@@ -187,6 +187,8 @@ class GroupControl:
         with self.lock:
             if msg.kind == "ping":
                 return  # a heartbeat: taken by saw()
+            if msg.kind in ("bye", "members") and self.active.get(sender, x["inc"]) != x["inc"]:
+                return  # from a life of it other than the one we mix with (sent before it rejoined)
             if msg.kind == "bye":
                 last = x.get("round")
                 self.membership.remove(sender, "said goodbye", departed=True)
