@@ -194,8 +194,8 @@ class Decision:
         if (self.verdict == "join") != (self.donor is not None):
             raise ValueError("a donor goes with the verdict 'join', and only with it")
         if set(self.handover) & set(self.members):
-            raise ValueError(f"a group handed its shards joins the round after: {sorted(set(self.handover) & set(self.members))} "
-                             "cannot be a member of this one")
+            both = sorted(set(self.handover) & set(self.members))
+            raise ValueError(f"a group handed its shards joins the round after: {both} cannot be a member of this one")
 
 
 @dataclass

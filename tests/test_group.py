@@ -408,6 +408,53 @@ def test_rank_0s_decision_sets_the_members_and_the_round_and_can_skip(monkeypatc
         assert (a.node.round, a.members, c.node.round) == (5, pair.members, 1)
 
 
+def test_a_decision_names_joiners_apart_from_members_and_a_donor_only_to_join() -> None:
+    d = Decision(3, ("a:1",), handover=["b:1"])
+    assert d.handover == ("b:1",) and d.donor is None
+    assert Decision(3, ("b:1",), "join", donor="a:1").donor == "a:1"
+    with pytest.raises(ValueError, match="cannot be a member of this one"):
+        Decision(3, ("a:1", "b:1"), handover=("b:1",))
+    with pytest.raises(ValueError, match="a donor goes with the verdict 'join'"):
+        Decision(3, ("b:1",), "join")
+    with pytest.raises(ValueError, match="a donor goes with the verdict 'join'"):
+        Decision(3, ("b:1",), donor="a:1")
+
+
+def test_rank_0s_control_plane_drops_a_silent_group_and_ends_the_wait_for_it_in_the_round_under_way(
+        monkeypatch) -> None:
+    """Two groups of one in this process, each with its control plane: b goes silent in the
+    middle of a round; a stops waiting once b is declared dead, not at the round's timeout."""
+    import time
+
+    from gossip.group_control import GroupControl
+
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    a, b = sorted(f"127.0.0.1:{free_base(1)}" for _ in range(2))
+    n = 64 * 32 + 32
+    _, va, ma = _member(a, [a, b], torch.zeros(n), timeout=60.0)
+    _, vb, mb = _member(b, [a, b], torch.full((n,), 2.0), timeout=60.0)
+    dead_after, heartbeat = 0.6, 0.05
+    pa = ma.plane = GroupControl(ma, heartbeat=heartbeat, dead_after=dead_after)
+    mb.plane = GroupControl(mb, heartbeat=heartbeat, dead_after=dead_after)
+    with ma, mb:
+        ma.plane.start()
+        mb.plane.start()
+        _both(lambda: ma.connect(30), lambda: mb.connect(30))
+        assert pa.members() == (a, b) and pa.status == "training"
+        _both(lambda: ma.exchange(1), lambda: mb.exchange(1))
+        assert torch.allclose(va.flat, torch.full((n,), 1.0))  # they mixed
+        mb.close()  # b's rank 0 dies: no more pings, no round-1 state
+        t0 = time.monotonic()
+        report = ma.exchange(2)
+        waited = time.monotonic() - t0
+        assert report.missing == 1 and ma.skipped_waits == 1 and ma.timed_out == 0
+        assert waited < dead_after + heartbeat + 2.0  # the detection time (and a loaded machine), not 60 s
+        assert [e["event"] for e in pa.events] == ["dropped"] and "silent" in pa.events[0]["reason"]
+        assert ma.exchange(3) is not None and ma.members == (a,)  # the next round is a's alone
+        assert ma.skipped_waits == 1
+
+
 @pytest.mark.parametrize("options", [{"compression": "int8"}, {"outer": "nesterov:lr=0.7,momentum=0.9"},
                                      {"compression": "int8", "outer": "nesterov:lr=0.7,momentum=0.9"}])
 def test_a_compressed_rule_or_an_outer_optimizer_on_each_shard_is_the_same_on_the_whole_model(monkeypatch,
@@ -616,7 +663,8 @@ class Torchruns:
                    "--timeout", "30", "--connect-timeout", "60", "--join-timeout", "60",
                    "--heartbeat", str(HEARTBEAT), "--dead-after", str(DEAD_AFTER),
                    "--stop-file", str(self.stop), "--out", str(self.tmp), "--trace"]
-            with open(self.tmp / f"{name}.out", "w") as out, open(self.errs[name], "a") as err:  # appends: the ranks' lines never overwrite
+            # the ranks share torchrun's stderr: opened to append, their lines never overwrite each other
+            with open(self.tmp / f"{name}.out", "w") as out, open(self.errs[name], "a") as err:
                 self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=self.tmp)
 
     def traces(self, name: str) -> list[dict]:
@@ -737,8 +785,6 @@ def test_a_group_paused_past_the_detection_time_is_dropped_and_rejoins_as_a_new_
     """SIGSTOP of a whole group for longer than dead_after: the other group drops it and trains
     on; the paused one, back, hears that it was dropped and (its cluster the weaker) rejoins,
     taking each rank's shard, without any torchrun restart."""
-    import time
-
     with Torchruns(tmp_path) as run:
         run.start()
         run.wait_for("rounds of A and B", lambda: len(run.rounds("B", "0")) >= 10 and len(run.rounds("A", "0")) >= 10)
@@ -769,4 +815,3 @@ def test_a_group_paused_past_the_detection_time_is_dropped_and_rejoins_as_a_new_
         assert s["timed_out"] == 0, s
     assert abs(a[0]["round"] - b[0]["round"]) <= 1
     _assert_no_long_wait(a[0])
-    del time
