@@ -512,7 +512,16 @@ class ControlPlane:
         with trains on in that member's cluster. Judged after a wait, not at once:
         as a partition forms, one side's lists may reach the other for a moment;
         by now this node has declared that side dead too, and the clusters meet
-        later as foreign ones (see ``foreign`` in _control)."""
+        later as foreign ones (see ``foreign`` in _control).
+
+        A member that is alive, that this node still trains with, and whose lists
+        drop this node while others this node trains with are not in its cluster,
+        is the one out of line (it dropped members that the rest still count):
+        this node drops it in turn. Otherwise the two would stay apart for good,
+        neither sending to the other (its lists never take this node back, and
+        each node it dropped would wait for the others to be counted first). Once
+        dropped, it sees this node's cluster as another one, and of the two the
+        stronger goes on (see ``foreign``)."""
         evidence, self.excluded_by = self.excluded_by, {}
         with self.lock:
             ours = self.m.eventual() - {self.id}
@@ -522,6 +531,12 @@ class ControlPlane:
                 if self.progress()[0] == "training" and self.excluded is not None:
                     self.excluded(rnd, by, theirs, False)
                 return
+        if self.progress()[0] != "training":
+            return
+        for by, (theirs, _) in sorted(evidence.items()):
+            if by in alive and by in ours:
+                self.drop(by, f"its member lists drop this node and {', '.join(sorted(ours - theirs))}, "
+                              "which the others train with")
 
     def _probe(self, now: float, lost: list[str]) -> None:
         """Say hello now and then (backing off) to members declared dead for their

@@ -45,11 +45,13 @@ class Plane:
 
 
 def _keep_alive(p: Plane, alive: list[str], start: float, end: float) -> None:
-    """Heartbeats of ``p`` from ``start`` to ``end`` (0.5 s apart), hearing ``alive`` at each."""
+    """Heartbeats of ``p`` from ``start`` to ``end`` (0.5 s apart), hearing ``alive`` at each
+    (those still in its member table)."""
     t = start
     while t <= end:
         for a in alive:
-            p.m.heard(a, p.m.members[a].incarnation, t)
+            if a in p.m.members:
+                p.m.heard(a, p.m.members[a].incarnation, t)
         p.cp.tick(t)
         t += 0.5
 
@@ -347,7 +349,9 @@ def test_one_side_of_a_partition_that_is_forming_does_not_drop_a_node_of_the_oth
     me.receive("members", b1, status="training", rnd=40, **_lists(small))
     _keep_alive(me, everyone[1:], 0.0, 5.0)
     assert me.excluded == [] and me.merges == []
-    # b1 still is alive and trains with us, by the time the verdict is judged: not enough
+    # b1 still is alive and trains with us by the time the verdict is judged: it is the one
+    # out of line (it dropped a2, whom the rest still count), and a1 drops it in turn
+    assert b1 not in me.m.members and b1 in me.m.leaves
     me.receive("members", b1, status="training", rnd=40, **_lists(small))
     _keep_alive(me, everyone[1:], 5.5, 10.0)
     assert me.excluded == [] and me.merges == []
