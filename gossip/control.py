@@ -359,6 +359,11 @@ class ControlPlane:
         peer, inc, status = msg.sender, f.inc, f.status
         before = self.m.version
         old = self.m.members.get(peer)
+        if old is None and self.m.departed.get(peer, -1) >= inc:
+            # that life said goodbye: what it sent before (late, or a duplicate) says nothing
+            # now. A node that starts afresh meanwhile (its cluster finished) would take the
+            # finished cluster's schedule from it, and then settle with nobody
+            return False, False
         restarted = old is not None and inc > old.incarnation  # a new life of a node we knew
         # the peer's cluster (as it will be once its announced changes take effect)
         theirs = None if f.base is None else cluster_after(f.base, f.jids or (), f.lids or ())
