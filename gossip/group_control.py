@@ -110,6 +110,7 @@ class GroupControl:
         self.dropped_lives: dict[str, int] = {}  # groups dropped for silence -> that life (alive after all?)
         self.told: dict[str, float] = {}  # group -> when we last told it that we dropped it
         self.rejoin_via: str | None = None  # the group whose shards this one takes at the next decision
+        self.admit: dict[str, tuple[int, int]] = {}  # joiners another group took in -> (life, first round)
         self.final_round: int | None = None
         self.on_event = on_event
         self.events: list[dict[str, Any]] = []
@@ -217,10 +218,10 @@ class GroupControl:
                     self._drop(sender, "it dropped this group")
                     self.dropped_lives[sender] = life
             elif msg.kind == "members" and x.get("op") == "joined":
-                g, inc = x.get("joiner"), x.get("joiner_inc")
-                if isinstance(g, str) and type(inc) is int and g != self.group_id and self.status == "training":
-                    self.active[g] = inc
-                    self._event("admitted", group=g, via=sender)
+                g, inc, first = x.get("joiner"), x.get("joiner_inc"), x.get("round")
+                if isinstance(g, str) and type(inc) is int and type(first) is int and g != self.group_id \
+                        and self.status == "training":
+                    self.admit[g] = (inc, first)  # a member from that round on (not before: it sends nothing)
             else:
                 self.member.rejected["control"] += 1
 
@@ -251,6 +252,11 @@ class GroupControl:
             if self.rejoin_via is not None:
                 donor, self.rejoin_via = self.rejoin_via, None
                 return Decision(rnd, (self.group_id,), "join", donor=donor)
+            for g, (inc, first) in sorted(self.admit.items()):
+                if first <= rnd:
+                    del self.admit[g]
+                    self.active[g] = inc
+                    self._event("admitted", group=g, round=first)
             members = self.members()
             handover = tuple(sorted(g for g, inc in self.requests.items()
                                     if (m := self.membership.members.get(g)) is not None and m.incarnation == inc))
@@ -314,6 +320,7 @@ class GroupControl:
         """Stop mixing with ``g`` (lock held): out of the next decision, and every rank of
         this group stops waiting for it in the rounds ``lo..hi`` (default: up to now)."""
         self.requests.pop(g, None)
+        self.admit.pop(g, None)
         if self.active.pop(g, None) is None:
             return
         node = self.member.node

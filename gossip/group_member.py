@@ -527,6 +527,14 @@ class GroupMember:
         node.adopt_handover(values, got.extra)
         self.view.after_mix()  # (DDP: the replicas whole again)
         self._set_members(tuple(members))
+        # connections to every member, not only those that answered first at connect (a joiner
+        # stops listening at the first training group): a state sent before one is up is lost
+        others = [rank_address(g, self.rank) for g in members if g != self.group_id]
+        try:
+            self._hello_with(others, max(1.0, min(10.0, deadline - self.clock())))
+        except GroupError as e:  # a member that does not answer is the detector's to judge
+            log.warning("%s: %s", self.id, e)
+        self.group.barrier()
         node.step = step
         for ch in node.channels:
             ch.round = rnd * node.channels[0].period // ch.period
