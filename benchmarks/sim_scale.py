@@ -5,7 +5,9 @@ Two measurements of what ``gossip-sim --task digits --topology ring`` runs
 ``lockstep`` for this run):
 
   time    N nodes x S local steps, wall seconds from building the nodes to the
-          final summary (``--engine``, default lockstep); the per-node, batched
+          final summary (``--engine``, default lockstep), and the CPU seconds
+          the process spent on it (``cpu_s``: on a shared machine wall time is
+          mostly the load); the per-node, batched
           and lockstep engines' rates are measured alongside on the same nodes for
           a few steps (``--per-node-steps``), interleaved, so the speed-ups are
           side by side;
@@ -60,13 +62,13 @@ def time_run(nodes: int, steps: int, topology: str, engine: str = "lockstep") ->
     """Wall seconds of one simulation, setup to summary."""
     from gossip.api import Simulation
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     sim = Simulation(config(nodes, steps, engine, topology))
     t1 = time.perf_counter()
     result = sim.run().result()
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     assert result.summary["engine"] == engine and result.summary["steps"] == steps
-    return {"wall_s": t2 - t0, "setup_s": t1 - t0, "accuracy": result.summary["final_accuracy"],
+    return {"wall_s": t2 - t0, "setup_s": t1 - t0, "cpu_s": c2 - c0, "accuracy": result.summary["final_accuracy"],
             "flushes": sim.batched.flushes}
 
 
@@ -131,7 +133,8 @@ def main() -> None:
     load = os.getloadavg()[0]
     run = time_run(args.nodes, args.steps, args.topology, args.engine)
     print(f"{args.nodes} nodes x {args.steps} steps ({args.topology}, {args.engine}): {run['wall_s']:.1f} s wall "
-          f"({run['setup_s']:.1f} s setup, {run['flushes']} vectorised steps), accuracy {run['accuracy']:.3f}",
+          f"({run['setup_s']:.1f} s setup, {run['flushes']} vectorised steps), {run['cpu_s']:.1f} s CPU, "
+          f"accuracy {run['accuracy']:.3f}",
           flush=True)
     rates = engine_rates(args.nodes, args.per_node_steps, args.topology)
     per_node, batched, lockstep = (rates[e] for e in ENGINES)
@@ -154,6 +157,7 @@ def main() -> None:
         "topology": args.topology,
         "engine": args.engine,
         "setup_s": round(run["setup_s"], 2),
+        "cpu_s": round(run["cpu_s"], 2),  # CPU seconds of that run (this process): less sensitive to load than wall_s
         "final_accuracy": round(run["accuracy"], 4),
         "per_node_ms_per_step": round(per_node * 1e3, 2),
         "batched_ms_per_step": round(batched * 1e3, 2),
