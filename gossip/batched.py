@@ -185,7 +185,7 @@ class BatchedSteps:
         self.asked = [False] * len(self.nodes)  # node i has asked for a step not run yet
         self.pending: list[Any] = []
         self._groups_all: list[tuple[list[int], list[Any], StackedDraws]] | None = None  # step_nodes of everyone
-        self._scratch: torch.Tensor | None = None  # [n, P], reused: gradients, a mixing product
+        self._scratch: torch.Tensor | None = None  # [n, P], reused: the lockstep engine's mixing product
         self.flushes = 0
         self.steps = 0
         for node in self.nodes:
@@ -287,8 +287,8 @@ class BatchedSteps:
                 self.optimizer.reset(self.row_of[node.id])
 
     def scratch(self, rows: int) -> torch.Tensor:
-        """A ``[rows, P]`` work buffer of the matrix's dtype, kept between calls (a fresh
-        20 MB allocation every step costs page faults); its contents are not kept."""
+        """A ``[rows, P]`` work buffer of the matrix's dtype, kept between calls rather than
+        allocated afresh each round (20 MB at 1024 digits nodes); its contents are not kept."""
         matrix = self.rows.matrix
         if self._scratch is None or self._scratch.shape[0] < rows:
             self._scratch = torch.empty(matrix.shape[0], matrix.shape[1], dtype=matrix.dtype, device=matrix.device)

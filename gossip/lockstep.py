@@ -12,7 +12,9 @@ rounds, sequence numbers, the virtual clock) from a schedule computed with
 numpy from the same link and compute models.
 
 When it applies (:func:`lockstep_refusal` names the first condition a run
-fails, and ``engine="auto"`` then runs the batched engine):
+fails, and ``engine="auto"`` then runs the batched engine; ``auto`` also runs the
+batched engine when the first ``Simulation.run`` stops early with ``until``, since
+a network changed between the pieces is something the schedule cannot follow):
 
 - local steps batch (:func:`gossip.batched.batch_support`);
 - synchronous exact gossip: every node runs :class:`~gossip.mixing.gossip.GossipRule`
