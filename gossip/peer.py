@@ -324,11 +324,17 @@ class Peer:
             self.transport.forget(d)
 
     def _link_class(self, u: str, v: str) -> str:
-        """intra or inter: whether the two members carry different datacenter labels."""
+        """intra or inter: whether the two members carry different datacenter labels.
+
+        A member removed from the table (declared dead, gone) keeps the label it
+        had when this node trained with it: the hellos that probe it must cross
+        the same emulated link as before, or a cut between datacenters would let
+        them through. Only a peer never labelled counts as this node's own.
+        """
         with self.lock:
             mu, mv = self.membership.members.get(u), self.membership.members.get(v)
-        du = mu.dc if mu else self.cfg.dc
-        dv = mv.dc if mv else du
+            du = mu.dc if mu else self.life.dcs.get(u, self.cfg.dc)
+            dv = mv.dc if mv else self.life.dcs.get(v, du)
         return "inter" if du != dv else "intra"
 
     def request_stop(self) -> None:

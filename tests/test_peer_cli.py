@@ -242,3 +242,30 @@ def test_device_defaults_to_auto_and_auto_takes_local_rank(monkeypatch):
     assert resolve_device("auto") == torch.device("cuda", 2)
     monkeypatch.delenv("LOCAL_RANK")
     assert resolve_device("auto") == torch.device("cuda", 0)
+
+
+def test_a_member_declared_dead_stays_behind_the_emulated_cut():
+    """--emulate inter:down=... drops what crosses datacenters. A member declared dead
+    leaves the member table, yet this node keeps probing it with hellos: those must
+    cross the same (cut) link, or they leak through the partition as intra traffic
+    and the two halves meet while the cut lasts."""
+    from gossip.cli import node_config_from_args
+    from gossip.peer import Peer
+
+    cfg, _ = node_config_from_args(["--listen", f"tcp://127.0.0.1:{free_port()}", "--dc", "east",
+                                    "--emulate", "inter:down=0s-60s"])
+    peer = Peer(cfg)
+    try:
+        me, west, east = peer.id, "127.0.0.1:1", "127.0.0.1:2"
+        with peer.lock:
+            peer.membership.heard(west, 1, 0.0, dc="west")
+            peer.membership.heard(east, 1, 0.0, dc="east")
+        peer.life.topology_for(sorted([me, west, east]))  # trained with both: labels remembered
+        assert (peer._link_class(me, west), peer._link_class(me, east)) == ("inter", "intra")
+        with peer.lock:
+            peer.membership.remove(west, "silent")
+            peer.membership.remove(east, "silent")
+        assert (peer._link_class(me, west), peer._link_class(me, east)) == ("inter", "intra")
+        assert peer._link_class(me, "127.0.0.1:3") == "intra"  # never labelled: this node's own
+    finally:
+        peer.close()
