@@ -195,15 +195,15 @@ def test_sim_scale_benchmark_quick():
 
 def test_faults_refuses_a_heal_whose_cut_missed_training(monkeypatch, capsys):
     """A heal run where a node was not training at its cut measures no partition:
-    it is tried again, and when every try misses, the JSON line holds no heal
-    figures and the exit status is 1."""
+    it is tried again with a cut 10 s after the slowest start measured, and when
+    every try misses, the JSON line holds no heal figures and the exit status is 1."""
     import benchmarks.faults as faults
 
     tries = []
 
     def heal(workdir, cut):
         tries.append(cut)
-        raise faults.CutBeforeTraining("heal0 began training 31.0 s after its start")
+        raise faults.CutBeforeTraining("heal0 began training 31.0 s after its start", 31.0)
 
     monkeypatch.setattr(faults, "heal", heal)
     monkeypatch.setattr(faults, "crash", lambda steps, dead_after: {
@@ -215,7 +215,7 @@ def test_faults_refuses_a_heal_whose_cut_missed_training(monkeypatch, capsys):
                                                             "mean_attack_clip": 0.95, "mean_clean_clip": 0.96})
     monkeypatch.setattr(sys, "argv", ["faults.py", "--heal-attempts", "2", "--cut", "15-25"])
     assert faults.main() == 1
-    assert tries == [(15.0, 25.0), (15.0, 25.0)]
+    assert tries == [(15.0, 25.0), (41.0, 51.0)]
     out = capsys.readouterr().out.strip().splitlines()
     assert sum("discarded" in line for line in out) == 2
     assert json.loads(out[-1])["heal"] == {"attempts": 2, "refused": "heal0 began training 31.0 s after its start"}
