@@ -722,13 +722,16 @@ class Torchruns:
 
 def _assert_no_long_wait(figures: dict) -> None:
     """A never waited for a dead or silent group longer than the detection time: its longest
-    gap between two local steps is within it, plus what a step and an ordinary round take here."""
-    gaps = figures["step_gaps"]
+    gap between two local steps is within it, plus what a step and an ordinary round take
+    here, or this machine's worst hiccup of the run when that is longer (on a loaded
+    machine the detector's own ticks are late by as much)."""
+    gaps = sorted(figures["step_gaps"])
     assert len(gaps) >= 40
     # the 90th percentile: a step and its round's wait (every other step exchanges), on this machine now
-    ordinary = sorted(gaps)[len(gaps) * 9 // 10]
-    bound = DEAD_AFTER + HEARTBEAT + 0.5 + 4 * ordinary
-    assert max(gaps) <= bound, (max(gaps), bound, sorted(gaps)[-5:])
+    ordinary = gaps[len(gaps) * 9 // 10]
+    hiccup = gaps[-2]  # the longest gap but the one the death is in
+    bound = DEAD_AFTER + HEARTBEAT + max(0.5 + 4 * ordinary, hiccup)
+    assert max(gaps) <= bound, (max(gaps), bound, gaps[-5:])
 
 
 def _assert_took_the_donors_shards(donor: list[dict], joiner: list[dict], groups: tuple[str, str]) -> int:
