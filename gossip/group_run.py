@@ -23,8 +23,10 @@ Bad input (``--intra fsdp`` without torchrun, groups of different sizes) exits 2
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from typing import Sequence
@@ -184,4 +186,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack (a rank that hangs)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     sys.exit(main())

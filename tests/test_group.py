@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -424,8 +425,6 @@ def test_rank_0s_control_plane_drops_a_silent_group_and_ends_the_wait_for_it_in_
         monkeypatch) -> None:
     """Two groups of one in this process, each with its control plane: b goes silent in the
     middle of a round; a stops waiting once b is declared dead, not at the round's timeout."""
-    import time
-
     from gossip.group_control import GroupControl
 
     for var in TORCHRUN_VARS:
@@ -603,8 +602,6 @@ def _untraced(path: Path, n: int = 3000) -> str:
 def _wait_for(what: str, check, procs: dict, errs: dict, limit: float = LIMIT):
     """Poll ``check()`` (every 50 ms) until it returns something true; fail if a torchrun
     ends first or ``limit`` seconds pass."""
-    import time
-
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         got = check()
@@ -685,7 +682,11 @@ class Torchruns:
             try:
                 p.wait(timeout=LIMIT)
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"torchrun of group {name} still running {LIMIT} s after the stop") from None
+                for rank in _children(p.pid):  # what each rank still does: its threads' stacks
+                    os.kill(rank, signal.SIGUSR1)
+                time.sleep(2.0)
+                raise AssertionError(f"torchrun of group {name} still running {LIMIT} s after the stop:\n"
+                                     f"{_untraced(self.errs[name], 6000)}") from None
         logs = {name: _untraced(self.errs[name]) for name in self.groups}
         assert {name: p.returncode for name, p in self.procs.items()} == {"A": 0, "B": 0}, logs
 
