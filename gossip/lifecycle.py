@@ -361,9 +361,12 @@ class Lifecycle:
         topo = self.topologies.get(key)
         if topo is None:
             with self.lock:
-                dcs = [self.membership.members[m].dc if m in self.membership.members else self.cfg.dc
-                       for m in members]
-                self.dcs.update(zip(members, dcs))
+                table = self.membership.members
+                # a member already gone from the table keeps the label last known for it; only
+                # the table's labels are remembered (a guess recorded here would outlive it:
+                # the link emulator reads these labels for members no longer in the table)
+                dcs = [table[m].dc if m in table else self.dcs.get(m, self.cfg.dc) for m in members]
+                self.dcs.update({m: table[m].dc for m in members if m in table and table[m].dc})
             # every member derives the same graph from the same ordered list (and labels)
             topo = topology_for(self.cfg.topology, len(members), seed=self.cfg.seed,
                                 dcs=dcs if any(dcs) else None)

@@ -233,7 +233,7 @@ class Peer:
         listen = "tcp://" + parse_address(config.listen, "--listen")
         links = emulated_links(config.emulate)
         self.shaper = None if links is None else SimNetwork(links, self._link_class, seed=config.seed,
-                                                             origin=self.t0)
+                                                             origin=self.t0, cache_classes=False)
         # CurveZMQ: a bad key directory is a ValueError naming what is wrong (gossip-node exits 2)
         self.security = load_curve(config.curve_keys, self.id) if config.curve_keys else None
         self.transport = ZmqTransport(self.id, listen, on_frames=self.control.on_frames, on_tick=self._tick,
@@ -326,16 +326,23 @@ class Peer:
     def _link_class(self, u: str, v: str) -> str:
         """intra or inter: whether the two members carry different datacenter labels.
 
-        A member removed from the table (declared dead, gone) keeps the label it
-        had when this node trained with it: the hellos that probe it must cross
-        the same emulated link as before, or a cut between datacenters would let
-        them through. Only a peer never labelled counts as this node's own.
+        Asked for every message (labels arrive as members are heard). A member
+        removed from the table (declared dead, gone), or learned again from a
+        list without its label, keeps the label it had when this node trained
+        with it: the hellos that probe it must cross the same emulated link as
+        before, or a cut between datacenters would let them through. Only a peer
+        never labelled counts as this node's own.
         """
         with self.lock:
-            mu, mv = self.membership.members.get(u), self.membership.members.get(v)
-            du = mu.dc if mu else self.life.dcs.get(u, self.cfg.dc)
-            dv = mv.dc if mv else self.life.dcs.get(v, du)
+            du = self._dc_of(u) or self.cfg.dc
+            dv = self._dc_of(v) or du
         return "inter" if du != dv else "intra"
+
+    def _dc_of(self, mid: str) -> str:
+        """The datacenter label of ``mid``: the member table's, else the last one this
+        node trained with ("" if never known). Call with ``lock`` held."""
+        m = self.membership.members.get(mid)
+        return (m.dc if m is not None else "") or self.life.dcs.get(mid, "")
 
     def request_stop(self) -> None:
         """Stop after the current step (signal handlers call this)."""

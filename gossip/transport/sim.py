@@ -169,16 +169,20 @@ class SimNetwork:
     link_class : function (u, v) -> class name
     seed : seeds jitter and loss draws
     origin : the time that ``down`` windows count from (a real node's start)
+    cache_classes : compute each pair's class once (the simulator's labels are
+        fixed); a real node learns its peers' labels as it hears them, so its
+        emulator passes False and asks ``link_class`` for every message
 
     Real nodes use the same object as their link emulator (``gossip-node
     --emulate``): ``transmit`` answers when a message may leave, or that it is lost.
     """
 
     def __init__(self, links: dict[str, LinkModel], link_class: Callable[[int, int], str], seed: int = 0,
-                 origin: float = 0.0) -> None:
+                 origin: float = 0.0, cache_classes: bool = True) -> None:
         self.links = dict(links)
         self.origin = origin
         self.link_class = link_class
+        self.cache_classes = cache_classes
         self.rng = np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, 0x11E7]))
         self.busy_until: dict[tuple[int, int], float] = {}
         self._class_cache: dict[tuple[int, int], str] = {}
@@ -203,7 +207,9 @@ class SimNetwork:
         pair = (u, v)
         cls = self._class_cache.get(pair)
         if cls is None:
-            cls = self._class_cache[pair] = self.link_class(u, v)
+            cls = self.link_class(u, v)
+            if self.cache_classes:
+                self._class_cache[pair] = cls
         model = self.links.get(cls) or self.links["intra"]
         self.bytes_by_class[cls] += nbytes
         self.messages_by_class[cls] += 1
