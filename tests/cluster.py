@@ -67,18 +67,25 @@ class NodeProc:
             self.proc.wait(timeout=10)
 
 
-def wait_for_step(metrics: Path, step: int, timeout: float) -> dict:
+def records(metrics: Path) -> list[dict]:
+    """The complete records of the ``--log`` JSON-lines file ``metrics`` so far."""
+    text = metrics.read_text() if metrics.exists() else ""
+    return [json.loads(ln) for ln in text.splitlines() if ln.endswith("}")]
+
+
+def wait_for_step(metrics: Path, step: int, timeout: float, since: int = 0) -> dict:
     """Wait until the ``--log`` JSON-lines file ``metrics`` holds a record at ``step``
-    or later; returns the first such record (what the node reported while it still
-    trained, before any stop the caller sends next)."""
+    or later among its records after the first ``since``; returns the first such
+    record (what the node reported while it still trained, before any stop the caller
+    sends next). ``since`` skips what an earlier life wrote: a node that joined
+    another cluster takes that cluster's step, which may be below its own."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        text = metrics.read_text() if metrics.exists() else ""
-        for ln in text.splitlines():
-            if ln.endswith("}") and (rec := json.loads(ln)).get("step", 0) >= step:
+        for rec in records(metrics)[since:]:
+            if rec.get("step", 0) >= step:
                 return rec
         time.sleep(0.1)
-    raise AssertionError(f"{metrics} did not reach step {step} in {timeout} s")
+    raise AssertionError(f"{metrics} did not reach step {step} (after record {since}) in {timeout} s")
 
 
 class Cluster:
