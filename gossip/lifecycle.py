@@ -221,6 +221,16 @@ class Lifecycle:
                 running = [m for m in others if self.membership.members[m].status in ("training", "done")]
                 base_known = self.membership.started
                 in_base = self.id in self.membership.base
+                # a schedule none of whose other members counts in the life it has now:
+                # they all restarted or died before this node trained (it may have slept
+                # through the start, then taken the announcement from its backlog)
+                gone = base_known and not running and not any(
+                    self.membership.counts(m, self.membership.members[m].incarnation) for m in others)
+            if gone:
+                log.warning("%s: no member of the cluster it would start with counts in it any more (they "
+                            "restarted or died before it trained); looking for a cluster again", self.id)
+                yield from self.start_over()
+                continue
             if running:
                 if base_known:
                     return "member" if in_base else "join"
