@@ -42,6 +42,7 @@ import sys
 import os
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,8 +113,9 @@ def draw(seed: int) -> Schedule:
         t = round(rng.uniform(lo, hi), 2)
         if kind == "spike":  # a link, not a node: any number of them
             i, j = rng.sample(range(n), 2)
-            s.faults.append((t, "spike", min(i, j), max(i, j), end(t + rng.uniform(0.2, 3.0)),
-                             rng.choice([0.05, 0.3, 1.0, 2.5])))
+            until, delay = end(t + rng.uniform(0.2, 3.0)), rng.choice([0.05, 0.3, 1.0, 2.5])
+            if until > t:  # (a window drawn at FAULTS_END itself is empty: no fault)
+                s.faults.append((t, "spike", min(i, j), max(i, j), until, delay))
             continue
         if kind == "partition":
             if busy:
@@ -122,8 +124,9 @@ def draw(seed: int) -> Schedule:
             ids = list(range(n))
             rng.shuffle(ids)
             heal = end(t + rng.uniform(0.5, 4.0))
-            s.faults.append((t, "partition", sorted(ids[:cut]), sorted(ids[cut:]), heal))
-            busy.update(range(n))
+            if heal > t:
+                s.faults.append((t, "partition", sorted(ids[:cut]), sorted(ids[cut:]), heal))
+                busy.update(range(n))
             continue
         free = [i for i in range(n) if i not in busy]
         if not free or (kind in ("crash", "late") and len(free) < 2) or (kind == "late" and late):
@@ -136,9 +139,13 @@ def draw(seed: int) -> Schedule:
             late += 1
             s.faults.append((t, "late", i))
         elif kind in ("restart", "restart-ck"):
-            s.faults.append((t, kind, i, end(t + rng.uniform(0.2, 2.5))))
+            back = end(t + rng.uniform(0.2, 2.5))
+            if back > t:
+                s.faults.append((t, kind, i, back))
         else:
-            s.faults.append((t, "stall", i, end(t + rng.uniform(0.5, 3.5))))
+            until = end(t + rng.uniform(0.5, 3.5))
+            if until > t:
+                s.faults.append((t, "stall", i, until))
     s.faults.sort()
     if s.settles:  # a fault that would end after FAULTS_END was cut there; a start at it is not a fault
         assert all(max(x for x in f if isinstance(x, float)) <= FAULTS_END for f in s.faults), s.faults
@@ -241,9 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         s = draw(seed)
         with tempfile.TemporaryDirectory(prefix="gossip-explore-", dir=scratch) as work:
-            c = run_schedule(s, work)
-            bad = check(c, s.settles)
-        s.trace = trace(c)
+            try:
+                c = run_schedule(s, work)
+                bad = check(c, s.settles)
+                s.trace = trace(c)
+            except Exception:  # an exception out of the protocol (or the harness) is a finding too
+                bad = ["raised: " + traceback.format_exc().rstrip().replace("\n", "\n  ")]
         if bad:
             failed.append(seed)
             print(f"VIOLATION {s.describe()}", file=sys.stderr)

@@ -10,6 +10,8 @@ deterministically.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -202,6 +204,34 @@ def test_the_explorer_reports_survivors_that_stay_apart():
     bad = explore.check(c)
     assert any("end in clusters" in b for b in bad), bad
     assert all(r["exit"] == "done" for r in c.results())  # each half trained on to the end
+
+
+def test_a_fault_drawn_at_the_end_of_the_window_is_no_empty_window():
+    """Seeds 8000028 and 8000246 draw a spike and a partition at 8.0 s, the end of a
+    settling schedule's fault window: their windows were empty (until == at) and the
+    simulator refused them, ending the whole chunk. Such a fault is now not drawn;
+    and anything a run raises is reported as that seed's violation, not a crash."""
+    from gossip import explore
+
+    for seed in (8000028, 8000246):
+        s = explore.draw(seed)
+        windows = [(f[0], f[4] if f[1] in ("spike", "partition") else f[3]) for f in s.faults
+                   if f[1] in ("spike", "partition", "stall", "restart", "restart-ck")]
+        assert all(until > at for at, until in windows), s.faults
+    original = explore.run_schedule
+
+    def broken(s, work):
+        raise RuntimeError("boom")
+
+    explore.run_schedule = broken
+    try:
+        out = io.StringIO()
+        with contextlib.redirect_stderr(out):
+            assert explore.main(["--replay", "8000028"]) == 1
+    finally:
+        explore.run_schedule = original
+    assert "raised: Traceback" in out.getvalue() and "RuntimeError: boom" in out.getvalue(), out.getvalue()
+    assert "--replay 8000028" in out.getvalue()
 
 
 def test_an_explored_schedule_replays_exactly():
