@@ -299,11 +299,25 @@ class Membership:
         # drop ignores the word of a node that is not training, so the two views
         # would never meet again. It learns the running members' leaves from them.
         if self.training:  # (after a join still pending: see announce_leave)
-            self.announce_leave(mid, max(self.max_round() + self.leave_margin, self.joins.get(mid, -1) + 1),
-                                m.incarnation, early=False)
+            self._leave_of_dead(mid, m.incarnation)
         self.version += 1
         log.warning("member %s removed: %s", mid, reason)
         return True
+
+    def _leave_of_dead(self, mid: str, incarnation: int | None) -> bool:
+        """Announce this node's own death verdict on ``mid``: it leaves a margin ahead."""
+        return self.announce_leave(mid, max(self.max_round() + self.leave_margin, self.joins.get(mid, -1) + 1),
+                                   incarnation, early=False)
+
+    def begin_training(self) -> list[str]:
+        """This node trains from now on, and its death verdicts count (see :meth:`remove`).
+        Members the schedule still counts that it removed while it waited leave now:
+        the trainers that would have announced those leaves may have died too, and
+        then nobody ever would, and the dead would stay in its topology to the end.
+        Returns them."""
+        self.training = True
+        return [mid for mid in sorted(self.eventual()) if mid not in self.members and mid in self.dead
+                and self.counts(mid, self.dead[mid]) and self._leave_of_dead(mid, self.dead[mid])]
 
     def new_life(self, incarnation: int, target: Iterable[str] = (), now: float = -math.inf) -> None:
         """This node starts a new life under ``incarnation``, as a restarted process

@@ -647,3 +647,23 @@ def test_the_control_plane_acts_on_its_detector_s_verdicts():
     assert (b, "ping") in kinds and (b, "members") in kinds and all(dst != c for dst, _ in kinds)
     ping = next(msg for dst, msg in p.sent if msg.kind == "ping")
     assert ping.extra["digest"] == p.m.digest()
+
+
+def test_a_joiner_that_starts_training_announces_the_leaves_of_members_it_found_dead():
+    """A node waiting for its join announces no leave of a member it finds silent
+    (its silence is often its own). When it starts training, the members its schedule
+    still counts but it holds dead leave then: the trainers who would have announced
+    it may be dead too (explorer seeds 10000077, 10000260: a survivor trained to the
+    end with a crashed member in its topology)."""
+    a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    m = Membership(a, 1, FP, dead_after=2.0)
+    for x in (b, c):
+        m.heard(x, 1, 0.0, status="training", round=4)
+    m.start([b, c])
+    m.joins[a] = 6
+    assert m.remove(c, "silent for more than 2 s")
+    assert c not in m.leaves  # waiting: no verdict of its own yet
+    assert m.begin_training() == [c]
+    assert m.training and m.leaves[c] == 4 + m.leave_margin
+    assert m.eventual() == {a, b}
+    assert m.begin_training() == []  # announced once

@@ -353,6 +353,8 @@ def test_the_swim_detector_runs_in_the_simulated_cluster_too():
     # schedule from a late duplicate of a departed member's list, and never settled together
     7000269,  # a starter stalled through the start, took the announcement from its backlog after
     # both other starters had restarted: it held a schedule nobody counted in and never settled
+    10000077,  # a restarted joiner found its donors dead while it waited, trained alone from its
+    10000260,  # join round, and kept the dead in its topology to the end: nobody announced their leave
 ])
 def test_explored_schedules_that_once_failed_hold_every_invariant(seed, tmp_path):
     """Schedules ``python -m gossip.explore --runs 250 --seed 100`` (and ``--seed 200``, ``300``) found; kept as regressions."""
