@@ -116,6 +116,11 @@ class SimCluster:
     reorder : probability that a message is held back by up to ``reorder_by`` seconds
         (so later messages on its link overtake it)
     options : further :class:`~gossip.peer.PeerConfig` fields (default :data:`FAST`, ring, synthetic)
+    configure : ``configure(i)`` further PeerConfig fields of process ``i`` only (its ``rank``,
+        ``world_size``, ``dc``), over ``options``
+    inter_link : the model of links between processes of different ``dc`` labels (default: none;
+        every link is ``link``, of class intra)
+    device : the device every process trains on
     """
 
     def __init__(self, n: int, *, steps: int = 200, seed: int = 0, link: LinkModel | None = None,
@@ -123,7 +128,8 @@ class SimCluster:
                  peers: Callable[[int], Sequence[int]] | None = None, late: Sequence[int] = (),
                  checkpoint_dir: Callable[[int], str | None] | None = None, model_seed: int = 0,
                  duplicate: float = 0.0, reorder: float = 0.0, reorder_by: float = 0.05,
-                 **options: Any) -> None:
+                 configure: Callable[[int], dict[str, Any]] | None = None, inter_link: LinkModel | None = None,
+                 device: str = "cpu", **options: Any) -> None:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive integer, got {n!r}")
         for name, prob in (("duplicate", duplicate), ("reorder", reorder)):
@@ -139,8 +145,16 @@ class SimCluster:
         self.now = 0.0
         self.events: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
-        self.network = SimNetwork({"intra": link or LinkModel(latency=1e-3, bandwidth=1e9)},
-                                  lambda u, v: "intra", seed=seed)
+        links = {"intra": link or LinkModel(latency=1e-3, bandwidth=1e9)}
+        if inter_link is None:
+            self.network = SimNetwork(links, lambda u, v: "intra", seed=seed)
+        else:  # links between datacenter labels are inter
+            def link_class(u: str, v: str) -> str:
+                a, b = self.by_id.get(u), self.by_id.get(v)
+                return "intra" if a is None or b is None or a.cfg.dc == b.cfg.dc else "inter"
+
+            self.network = SimNetwork({**links, "inter": inter_link}, link_class, seed=seed)
+        self.device = torch.device(device)
         self.step_time = step_time if callable(step_time) else (lambda i, t=float(step_time): t)
         settings = {**FAST, "topology": "ring", "task": "synthetic", **options}
         peers = peers or (lambda i: [(i + 1) % n] if n > 1 else [])
@@ -151,8 +165,9 @@ class SimCluster:
         self.procs: list[SimProcess] = []
         for i in range(n):
             ck = checkpoint_dir(i) if checkpoint_dir is not None else None
+            own = {**settings, **configure(i)} if configure is not None else settings
             cfg = PeerConfig(listen=node_id(i), peers=tuple(node_id(j) for j in peers(i) if j != i), steps=steps,
-                             seed=model_seed, checkpoint_dir=ck, **settings)
+                             seed=model_seed, checkpoint_dir=ck, **own)
             self.procs.append(SimProcess(i, node_id(i), cfg))
         self.by_id = {p.id: p for p in self.procs}
         self.frames_sent = 0
@@ -244,7 +259,7 @@ class SimCluster:
         p.after_finish = any(q.exit == "done" or (q.up and q.life is not None and self._finishing(q)) for q in others)
         local = p.local
         first = 10**6 + int(local(self.now) * 1e6) + p.epoch  # later processes have later lives, as on a wall clock
-        p.life = Lifecycle(cfg, task=self.task, device=torch.device("cpu"), fingerprint=self.fingerprint,
+        p.life = Lifecycle(cfg, task=self.task, device=self.device, fingerprint=self.fingerprint,
                            incarnation=first, send=lambda dst, msg, p=p: self._send(p, dst, msg, False),
                            reconnect=lambda peer: None, origin=local(self.now), clock=lambda: local(self.now),
                            new_incarnation=lambda prev: max(10**6 + int(local(self.now) * 1e6), prev + 1))
