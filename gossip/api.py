@@ -22,11 +22,10 @@ from gossip.data import parse_split
 from gossip.faults import parse_faults
 from gossip.lockstep import choose_lockstep
 from gossip.mixing.adversary import parse_byzantine
-from gossip.membership import topology_for
 from gossip.mixing.settings import MixingSettings, build_rules, with_mixing_options
 from gossip.node import Node, NodeConfig, init_model, resolve_device
 from gossip.progress import ProgressBar
-from gossip.simulator import Simulator, parse_compute, parse_slow
+from gossip.simulator import ComputeModel, Simulator, parse_compute, parse_slow
 from gossip.state import FlatState
 from gossip.tasks import get_task
 from gossip.transport.sim import LAN, WAN, SimNetwork, parse_link
@@ -156,42 +155,41 @@ def consensus_distance(flats: list[torch.Tensor]) -> float:
 
 
 class _Recorder:
-    """Samples the simulation every ``every`` mean local steps."""
+    """Samples a run every ``every`` mean local steps: the history records.
 
-    def __init__(self, cfg: SimConfig, task: Any, nodes: list[Node], network: SimNetwork, out: IO[str] | None,
+    Both engines use it: :class:`Simulation` (``sample``, from the simulator's
+    ``on_step``) and the fault runs of :mod:`gossip.simfaults` (``record`` with the
+    nodes of the processes that are up)."""
+
+    def __init__(self, cfg: SimConfig, task: Any, network: SimNetwork, out: IO[str] | None,
                  bar: ProgressBar, wall_start: float) -> None:
-        self.cfg, self.task, self.nodes, self.network, self.out, self.bar = cfg, task, nodes, network, out, bar
-        self.n = len(nodes)
+        self.cfg, self.task, self.network, self.out, self.bar = cfg, task, network, out, bar
+        self.n = cfg.nodes
         self.every = cfg.eval_every or max(1, cfg.steps // 20)
         self.history: list[dict[str, Any]] = []
         self.wall_start = wall_start
         self.scratch = init_model(task, cfg.seed, cfg.device)
         self.scratch_state = FlatState(self.scratch)
         self.last_sample = -1
+        self.bad = parse_byzantine(cfg.byzantine, cfg.nodes)  # honest figures only
 
-    def live(self) -> list[Node]:
-        """The nodes that count: crashed (or not yet joined) ones are out."""
-        sim = getattr(self, "sim", None)
-        nodes = sim.nodes if sim is not None else self.nodes
-        bad = parse_byzantine(self.cfg.byzantine, self.cfg.nodes)  # honest figures only
-        return [n for i, n in enumerate(nodes) if (sim is None or not sim.down[i]) and i not in bad] or nodes
+    def honest(self, nodes: list[Node]) -> list[Node]:
+        """The nodes that count: byzantine ones are out."""
+        return [n for i, n in enumerate(nodes) if i not in self.bad] or nodes
 
-    def evaluate_average(self) -> dict[str, float]:
-        self.scratch_state.load_(average_params([n.state.flat for n in self.live()]))
-        return self.task.evaluate(self.scratch, self.cfg.device)
-
-    def sample(self, sim: Simulator) -> dict[str, Any]:
-        mean_step = sim.steps_done / self.n
-        avg = self.evaluate_average()
-        live = self.live()
-        batched = getattr(sim, "batched", None)  # evaluates every row in a few vectorised calls
+    def record(self, now: float, mean_step: float, live: list[Node], bytes_sent: int,
+               batched: Any = None) -> dict[str, Any]:
+        """The record of one evaluation point over the nodes ``live`` (written to ``out``)."""
+        self.scratch_state.load_(average_params([n.state.flat for n in live]))
+        avg = self.task.evaluate(self.scratch, self.cfg.device)
+        # the batched engine evaluates every row in a few vectorised calls
         per_node = (batched.evaluate(live) if batched is not None else None) \
             or [self.task.evaluate(n.model, self.cfg.device) for n in live]
         train = [n.pop_mean_loss() for n in live]
         train = [x for x in train if not math.isnan(x)]
         rec = {
             "event": "eval",
-            "time": sim.now,
+            "time": now,
             "step": mean_step,
             "train_loss": sum(train) / len(train) if train else math.nan,
             "loss": avg["loss"],
@@ -200,7 +198,7 @@ class _Recorder:
             "mean_node_accuracy": sum(p.get("accuracy", math.nan) for p in per_node) / len(per_node),
             "consensus_distance": consensus_distance([n.state.flat for n in live]),
             "nodes_up": len(live),
-            "bytes_sent": sum(sim.bytes_sent),
+            "bytes_sent": bytes_sent,
             **{f"bytes_{cls}": b for cls, b in sorted(self.network.bytes_by_class.items())},
             "wall": time.perf_counter() - self.wall_start,
         }
@@ -212,16 +210,77 @@ class _Recorder:
             self.out.write(json.dumps(rec) + "\n")
         return rec
 
+    def sample(self, sim: Simulator) -> dict[str, Any]:
+        return self.record(sim.now, sim.steps_done / self.n, self.honest(sim.nodes), sum(sim.bytes_sent),
+                           getattr(sim, "batched", None))
+
+    def progress(self, step: float, now: float, rec: dict[str, Any] | None = None) -> None:
+        """Draw the progress bar at mean step ``step`` (with the accuracy of a record just taken)."""
+        if rec is not None:
+            self.bar.update(step, f"step {rec['step']:.0f}/{self.cfg.steps} sim {now:.2f}s "
+                            f"acc {rec['accuracy']:.3f}", force=True)
+        elif self.bar.enabled:
+            self.bar.update(step, f"step {step:.0f}/{self.cfg.steps} sim {now:.2f}s")
+
     def on_step(self, sim: Simulator) -> None:
         done = sim.steps_done
         if done % (self.every * self.n) == 0:
             if done != self.last_sample:
                 self.last_sample = done
-                rec = self.sample(sim)
-                self.bar.update(done / self.n, f"step {rec['step']:.0f}/{self.cfg.steps} sim {sim.now:.2f}s "
-                                f"acc {rec['accuracy']:.3f}", force=True)
-        elif self.bar.enabled:
-            self.bar.update(done / self.n, f"step {done / self.n:.0f}/{self.cfg.steps} sim {sim.now:.2f}s")
+                self.progress(done / self.n, sim.now, self.sample(sim))
+        else:
+            self.progress(done / self.n, sim.now)
+
+
+def summarize(cfg: SimConfig, topology: str, last: dict[str, Any], nodes: list[Node], network: SimNetwork,
+              bytes_sent: int, **figures: Any) -> dict[str, Any]:
+    """The summary of a run (what ``gossip-sim --json`` prints): the config, the last
+    record ``last``, the mixing figures of ``nodes``, and ``figures`` (faults, engine,
+    engine_note, sim_time_s, wall_time_s, ...) in that order."""
+    summary = {
+        "nodes": cfg.nodes,
+        "topology": topology,
+        "algorithm": cfg.algorithm,
+        "compression": cfg.compression,
+        "period": cfg.period,
+        "asynchronous": cfg.asynchronous,
+        "overlap": cfg.overlap,
+        "outer": str(cfg.mixing.outer),
+        "task": cfg.task if isinstance(cfg.task, str) else type(cfg.task).__name__,
+        "split": str(parse_split(cfg.split)),
+        "steps": cfg.steps,
+        "seed": cfg.seed,
+        "final_accuracy": last["accuracy"],
+        "mean_node_accuracy": last["mean_node_accuracy"],
+        "final_loss": last["loss"],
+        "mean_node_loss": last["mean_node_loss"],
+        "train_loss": last["train_loss"],
+        "consensus_distance": last["consensus_distance"],
+        "bytes_sent": bytes_sent,
+        "bytes_intra": network.bytes_by_class.get("intra", 0),
+        "bytes_inter": network.bytes_by_class.get("inter", 0),
+        "messages_lost": network.lost,
+        "clipped": sum(getattr(ch.rule, "clipped", 0) for n in nodes for ch in n.channels),
+        "faults": [],
+        "missing_neighbors": sum(n.mix_totals.missing for n in nodes),
+        "rejected": sum(sum(n.rejected.values()) for n in nodes),
+        **figures,
+    }
+    if "perplexity" in last:
+        summary["final_perplexity"] = last["perplexity"]
+    for ch_index, ch in enumerate(nodes[0].channels):
+        prefix = "" if ch.name == "all" else f"{ch.name}_"
+        report = ch.rule.report()
+        summary[prefix + "rule"] = report["rule"]
+        if "gamma" in report:
+            summary[prefix + "gamma"] = report["gamma"]
+        for key in ("gaps", "resyncs", "superseded"):
+            if key in report:
+                summary[prefix + key] = sum(n.channels[ch_index].rule.report()[key] for n in nodes)
+        if "mean_staleness" in report:
+            summary[prefix + "mean_staleness"] = sum(
+                n.channels[ch_index].rule.report()["mean_staleness"] for n in nodes) / len(nodes)
+    return summary
 
 
 def build_node(cfg: SimConfig, task: Any, topology: Any, i: int, members: list[int]) -> Node:
@@ -254,54 +313,43 @@ class Simulation:
 
     The torch thread count is set to ``config.threads`` only while ``run`` works.
     Call :meth:`close` (or use ``with``) to close a metrics file opened from a path.
+
+    A config with ``faults`` makes a :class:`gossip.simfaults.FaultSimulation`
+    instead (the real control plane of every node; same methods and result).
     """
+
+    def __new__(cls, config: SimConfig | None = None, *, out: str | Path | IO[str] | None = None,
+                progress: bool | None = False, **overrides: Any) -> Any:
+        cfg = dataclasses.replace(config, **overrides) if config is not None else SimConfig(**overrides)
+        if cfg.faults:
+            from gossip.simfaults import FaultSimulation
+
+            return FaultSimulation(cfg, out=out, progress=progress)
+        self = super().__new__(cls)
+        self.config = cfg
+        return self
 
     def __init__(self, config: SimConfig | None = None, *, out: str | Path | IO[str] | None = None,
                  progress: bool | None = False, **overrides: Any) -> None:
         from topologies import build
 
-        cfg = dataclasses.replace(config, **overrides) if config is not None else SimConfig(**overrides)
-        self.config = cfg
+        cfg = self.config
         self.wall_start = time.perf_counter()
         self.task = get_task(cfg.task)
         self.topology = build(cfg.topology, cfg.nodes, seed=cfg.seed)
-        links = {"intra": parse_link(cfg.link, LAN), "inter": parse_link(cfg.inter_link, WAN)}
-        slow = parse_slow(cfg.slow)
-        for node in slow:
-            if not 0 <= node < cfg.nodes:
-                raise ValueError(f"slow node {node} does not exist (nodes are 0..{cfg.nodes - 1})")
-        compute = parse_compute(cfg.compute, slow)
+        links, compute = world_of(cfg)
         self.network = SimNetwork(links, self.topology.link, seed=cfg.seed)
         with _threads(cfg.threads):
             self.nodes = build_nodes(cfg, self.task, self.topology)
             # the batched engine moves every node's parameters onto a row of one matrix
             self.batched, self.engine_note = choose_engine(cfg.engine, self.task, self.nodes, compute.kind == "measured")
-            self._close = False
-            if out is None or hasattr(out, "write"):
-                self._out: IO[str] | None = out  # type: ignore[assignment]
-            else:
-                Path(out).parent.mkdir(parents=True, exist_ok=True)
-                self._out, self._close = open(out, "w"), True
+            self._out, self._close = open_out(out)
             self.bar = ProgressBar(cfg.steps, enabled=progress)
-            self.recorder = _Recorder(cfg, self.task, self.nodes, self.network, self._out, self.bar, self.wall_start)
+            self.recorder = _Recorder(cfg, self.task, self.network, self._out, self.bar, self.wall_start)
             # the hook runs at every sample point, or once per mean step when a progress bar is drawn
             every = self.recorder.every * cfg.nodes if not self.bar.enabled else cfg.nodes
-            full = self.topology
-            dcs = [full.dc(i) for i in range(cfg.nodes)]
-
-            def topology_of(ids: list[int]) -> Any:
-                if len(ids) == cfg.nodes:
-                    return full
-                return topology_for(cfg.topology, len(ids), seed=cfg.seed,
-                                    dcs=[dcs[i] for i in ids] if len(set(dcs)) > 1 else None)
-
-            def make_node(i: int) -> Node:
-                return build_node(cfg, self.task, full, i, list(range(cfg.nodes)))
-
             self.sim = Simulator(self.nodes, self.network, compute, seed=cfg.seed, on_step=self.recorder.on_step,
-                                 step_every=every, faults=parse_faults(cfg.faults, cfg.nodes), make_node=make_node,
-                                 topology_for=topology_of, detect=float(cfg.detect), batched=self.batched)
-            self.recorder.sim = self.sim
+                                 step_every=every, batched=self.batched)
             # synchronous exact gossip with every node in step: whole rounds at once (gossip.lockstep)
             self.sim.lockstep, self.engine_note = choose_lockstep(cfg.engine, self.sim, self.engine_note)
             # auto's lockstep is provisional until the first run(): see run()
@@ -345,58 +393,15 @@ class Simulation:
         if not self.sim.done:
             self.run()
         cfg, rec, sim, network = self.config, self.recorder, self.sim, self.network
-        nodes = sim.nodes  # crashed nodes that rejoined are new objects
+        nodes = sim.nodes
         with _threads(cfg.threads):
             if not rec.history or rec.last_sample != sim.steps_done:
                 rec.sample(sim)
         self.bar.close()
         last = rec.history[-1]
-        summary = {
-            "nodes": cfg.nodes,
-            "topology": self.topology.spec,
-            "algorithm": cfg.algorithm,
-            "compression": cfg.compression,
-            "period": cfg.period,
-            "asynchronous": cfg.asynchronous,
-            "overlap": cfg.overlap,
-            "outer": str(cfg.mixing.outer),
-            "task": cfg.task if isinstance(cfg.task, str) else type(cfg.task).__name__,
-            "split": str(parse_split(cfg.split)),
-            "steps": cfg.steps,
-            "seed": cfg.seed,
-            "final_accuracy": last["accuracy"],
-            "mean_node_accuracy": last["mean_node_accuracy"],
-            "final_loss": last["loss"],
-            "mean_node_loss": last["mean_node_loss"],
-            "train_loss": last["train_loss"],
-            "consensus_distance": last["consensus_distance"],
-            "bytes_sent": sum(sim.bytes_sent),
-            "bytes_intra": network.bytes_by_class.get("intra", 0),
-            "bytes_inter": network.bytes_by_class.get("inter", 0),
-            "messages_lost": network.lost,
-            "clipped": sum(getattr(ch.rule, "clipped", 0) for n in nodes for ch in n.channels),
-            "faults": [f"{t:.3f}s {what}" for t, what in sim.fault_log],
-            "missing_neighbors": sum(n.mix_totals.missing for n in nodes),
-            "rejected": sum(sum(n.rejected.values()) for n in nodes),
-            "engine": self.engine,
-            "engine_note": self.engine_note,
-            "sim_time_s": sim.now,
-            "wall_time_s": time.perf_counter() - self.wall_start,
-        }
-        if "perplexity" in last:
-            summary["final_perplexity"] = last["perplexity"]
-        for ch_index, ch in enumerate(nodes[0].channels):
-            prefix = "" if ch.name == "all" else f"{ch.name}_"
-            report = ch.rule.report()
-            summary[prefix + "rule"] = report["rule"]
-            if "gamma" in report:
-                summary[prefix + "gamma"] = report["gamma"]
-            for key in ("gaps", "resyncs", "superseded"):
-                if key in report:
-                    summary[prefix + key] = sum(n.channels[ch_index].rule.report()[key] for n in nodes)
-            if "mean_staleness" in report:
-                summary[prefix + "mean_staleness"] = sum(
-                    n.channels[ch_index].rule.report()["mean_staleness"] for n in nodes) / len(nodes)
+        summary = summarize(cfg, self.topology.spec, last, nodes, network, sum(sim.bytes_sent),
+                            engine=self.engine, engine_note=self.engine_note, sim_time_s=sim.now,
+                            wall_time_s=time.perf_counter() - self.wall_start)
         if self._out is not None:
             self._out.write(json.dumps({"event": "summary", **summary}) + "\n")
             self._out.flush()
@@ -413,6 +418,24 @@ class Simulation:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def world_of(cfg: SimConfig) -> tuple[dict[str, Any], ComputeModel]:
+    """The modelled world of ``cfg``: its link models by class, and its compute model."""
+    links = {"intra": parse_link(cfg.link, LAN), "inter": parse_link(cfg.inter_link, WAN)}
+    slow = parse_slow(cfg.slow)
+    for node in slow:
+        if not 0 <= node < cfg.nodes:
+            raise ValueError(f"slow node {node} does not exist (nodes are 0..{cfg.nodes - 1})")
+    return links, parse_compute(cfg.compute, slow)
+
+
+def open_out(out: str | Path | IO[str] | None) -> tuple[IO[str] | None, bool]:
+    """The metrics file (an open one, or one opened from a path) and whether to close it."""
+    if out is None or hasattr(out, "write"):
+        return out, False  # type: ignore[return-value]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    return open(out, "w"), True
 
 
 class _threads:

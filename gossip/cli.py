@@ -165,14 +165,18 @@ def build_sim_parser() -> argparse.ArgumentParser:
     p.add_argument("--byzantine", default=None, metavar="NODE=FACTOR,...",
                    help="misbehaving nodes for robustness studies: node NODE sends its parameters x FACTOR")
     p.add_argument("--fault", action="append", default=None, metavar="EVENT",
-                   help="crash:N@T, join:N@T or partition:A|B@T1-T2 (node groups like 0-3,7; repeatable)")
+                   help="crash:N@T, join:N@T or partition:A|B@T1-T2 (node groups like 0-3,7; repeatable); a run "
+                        "with faults runs every node's real control plane (gossip-node's membership, failure "
+                        "detector, joins with a state pull, merges)")
     p.add_argument("--detect", type=float, default=3.0, metavar="SEC",
-                   help="seconds before survivors act on a crash or partition (default: 3)")
+                   help="with --fault: the failure detector's --dead-after, with --heartbeat SEC/4 and --settle "
+                        "SEC/4 (default: 3)")
     p.add_argument("--engine", default="auto", metavar="auto|lockstep|batched|per-node",
                    help="how nodes run: lockstep = every node a round at a time, one vectorised step and one "
                         "sparse mixing product (synchronous exact gossip, fixed compute, no faults), batched = "
                         "all nodes' steps due together as one vectorised call (tasks that allow it), per-node = "
-                        "one model at a time, auto = the first of these the run allows (default: auto)")
+                        "one model at a time, auto = the first of these the run allows (default: auto); with "
+                        "--fault only auto or per-node (the real control plane, one model at a time)")
     p.add_argument("--out", default=None, metavar="FILE.jsonl", help="write metrics as JSON lines")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write the metrics as TensorBoard scalars in DIR (needs the tensorboard extra)")

@@ -5,6 +5,11 @@ model; it contains no gossip algorithm of its own. Events are a node finishing
 a local step (its compute time drawn from a :class:`ComputeModel`), a message
 arriving (from :class:`~gossip.transport.sim.SimNetwork`), and a wait timing
 out. Ties are broken by insertion order, so a run is a pure function of its seed.
+
+It runs fault-free simulations only: a run with faults (crashes, joins,
+partitions) runs every node's real control plane instead (:mod:`gossip.simfaults`
+on :class:`gossip.simcluster.SimCluster`), so that membership, detection, joins
+and merges are the protocol's, not a model of it.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from gossip.wire import message_size, same_header_size
 
 __all__ = ["ComputeModel", "parse_compute", "parse_slow", "Simulator"]
 
-RESUME, DELIVER, TIMEOUT, FAULT, VIEW = 0, 1, 2, 3, 4
-STEP = 1 << 20  # RESUME data: life + STEP when a local step just completed
+RESUME, DELIVER, TIMEOUT = 0, 1, 2
+STEP = 1  # RESUME data: STEP when a local step just completed, else 0
 
 
 @dataclass(frozen=True)
@@ -157,32 +162,18 @@ class Simulator:
     on_step : called as ``on_step(sim)`` after every ``step_every``-th completed
         local step (counted over all nodes): the observation hook for metrics
         and progress
-    faults : a schedule of crashes, joins and partitions (:mod:`gossip.faults`)
-    make_node : ``make_node(i)`` builds a fresh node i (a crashed node that rejoins)
-    topology_for : ``topology_for(ids)`` the graph over a member list
-    detect : seconds before survivors act on a crash or partition (the failure
-        detector's delay) and before a healed partition is noticed
     batched : a :class:`gossip.batched.BatchedSteps` the nodes' local steps are
         deferred to; the simulator runs the steps asked for (``flush``) before a
-        node that asked resumes, before ``on_step`` and a join look at the nodes,
-        and whenever :meth:`run` returns
+        node that asked resumes, before ``on_step`` looks at the nodes, and
+        whenever :meth:`run` returns
 
     Set :attr:`lockstep` (a :class:`gossip.lockstep.Lockstep` over this simulator)
     before the first :meth:`run` to advance every node a phase at a time instead
     of event by event.
-
-    Membership is modelled the way real nodes behave: the running nodes that can
-    reach each other form a group; after ``detect`` seconds every node of a
-    group adopts the group's member list at the same moment (a node waiting on a
-    vanished neighbour stops waiting and mixes without it), and round counters of
-    merging groups are aligned. A joining node copies a running neighbour's
-    parameters, step and round before it starts.
     """
 
     def __init__(self, nodes: Sequence[Node], network: SimNetwork, compute: ComputeModel, *, seed: int = 0,
                  on_step: Callable[["Simulator"], None] | None = None, step_every: int = 1,
-                 faults: Sequence[Any] = (), make_node: Callable[[int], Node] | None = None,
-                 topology_for: Callable[[list[int]], Any] | None = None, detect: float = 3.0,
                  batched: Any = None) -> None:
         self.nodes = list(nodes)
         self.batched = batched  # a gossip.batched.BatchedSteps running the nodes' local steps, or None
@@ -209,108 +200,16 @@ class Simulator:
         for i, n in enumerate(self.nodes):
             if n.index != i:
                 raise ValueError(f"node {i} has topology index {n.index}; simulated nodes must be numbered 0..n-1")
-        self.down = [False] * len(self.nodes)  # crashed, or not joined yet
-        self.life = [0] * len(self.nodes)      # incremented on crash: events of a past life are ignored
-        self.faults = list(faults)
-        self.make_node = make_node
-        self.topology_for = topology_for
-        self.detect = detect
-        self.fault_log: list[tuple[float, str]] = []
-        self._joined: set[int] = set()
-        first = {}
-        for ev in self.faults:
-            if ev.kind in ("crash", "join"):
-                first.setdefault(ev.node, ev.kind)
-            self._push(ev.time, FAULT, -1, ev)
-        for i, kind in first.items():
-            if kind == "join":  # it first appears later: absent until then
-                self.down[i] = True
-        if any(self.down):
-            self._push(0.0, VIEW, -1, None)
+        # nothing is ever down here and no fault is scheduled (faults run on gossip.simcluster);
+        # gossip.lockstep still reads both
+        self.down = [False] * len(self.nodes)
+        self.faults: tuple[Any, ...] = ()
         for i in range(len(self.nodes)):
-            if not self.down[i]:
-                self._push(0.0, RESUME, i, 0)
+            self._push(0.0, RESUME, i, 0)
 
     def _push(self, t: float, kind: int, node: int, data: Any) -> None:
         self._seq += 1
         heapq.heappush(self.events, (t, self._seq, kind, node, data))
-
-    # -- faults and membership --------------------------------------------------------------
-    def _fault(self, ev: Any) -> None:
-        self.fault_log.append((self.now, f"{ev.kind} {ev.node if ev.node >= 0 else ev.groups}"))
-        if ev.kind == "crash":
-            if not self.down[ev.node]:
-                self.down[ev.node] = True
-                self.life[ev.node] += 1
-                self._waiting[ev.node] = False
-                self._push(self.now + self.detect, VIEW, -1, None)
-        elif ev.kind == "join":
-            self._join(ev.node)
-        elif ev.kind == "partition":
-            self.network.partition([list(g) for g in ev.groups])
-            self._push(self.now + self.detect, VIEW, -1, None)
-        elif ev.kind == "heal":
-            self.network.partition(None)
-            self._push(self.now + self.detect, VIEW, -1, None)
-
-    def _running(self) -> list[int]:
-        return [i for i in range(len(self.nodes)) if not self.down[i] and not self.finished[i]]
-
-    def _join(self, i: int) -> None:
-        if not self.down[i]:
-            return
-        if self.batched is not None:
-            self.batched.flush()  # the donor's parameters and step count must be current
-        group = [j for j in self._running() if self.network.reachable(i, j)]
-        if self.life[i] > 0 or self._primed[i]:  # a crashed node restarts as a fresh process
-            if self.make_node is None:
-                raise ValueError("a rejoining node needs make_node")
-            self.nodes[i] = self.make_node(i)
-            if self.batched is not None:
-                self.batched.replace(i, self.nodes[i])
-            self._gens[i] = self.nodes[i].program()
-            self._primed[i] = False
-        node = self.nodes[i]
-        if group:  # pull a running neighbour's state: parameters, step, rounds
-            donor = self.nodes[max(group, key=lambda j: (self.nodes[j].step, -j))]
-            node.adopt(donor.state.flat)
-            node.load_outer_state(donor.outer_state())  # an outer optimizer's momentum goes with them
-            # start where the donor's current round started, as a real joiner does: the
-            # donor may already be part way through that round's local steps
-            first = donor.channels[0]
-            node.jump_to(first.round * first.period)
-        self.down[i] = False
-        self.life[i] += 1
-        self._joined = {i}
-        self._view()  # a join is announced, not detected: the group adopts it now
-        self._joined = set()
-        self._push(self.now, RESUME, i, self.life[i])
-
-    def _view(self) -> None:
-        """Every group of running, mutually reachable nodes adopts its member list."""
-        running = self._running()
-        groups: dict[Any, list[int]] = {}
-        for i in running:
-            groups.setdefault(self.network._group.get(i, -1), []).append(i)
-        for ids in groups.values():
-            ids.sort()
-            if all(self.nodes[i].members == ids for i in ids):
-                continue
-            topology = self.topology_for(ids) if self.topology_for is not None else None
-            if topology is None:
-                continue
-            top = max(self.nodes[i].round for i in ids)
-            for i in ids:
-                node = self.nodes[i]
-                # groups that trained apart and now merge continue from the same round; survivors
-                # of a crash are consistent already, and a joiner took its donor's counters
-                merging = bool(set(ids) - set(node.members) - self._joined) and i not in self._joined
-                node.set_members(ids, topology)
-                if merging:
-                    node.align(top)
-                if self._waiting[i]:  # stop waiting for nodes that are gone: mix what arrived
-                    self._waiting[i] = False
-                    self._push(self.now, RESUME, i, self.life[i])
 
     def _advance(self, i: int) -> None:
         """Run node i's program until it needs time to pass."""
@@ -328,13 +227,11 @@ class Simulator:
                     action = next(gen)
             except StopIteration:
                 self.finished[i] = True
-                if self.faults:  # its neighbours stop counting on it (a goodbye, seen after `detect`)
-                    self._push(now + self.detect, VIEW, -1, None)
                 return
             kind = type(action)
             if kind is Compute:
                 wall = time.perf_counter() - t0 if measure else 0.0
-                self._push(now + self.compute_time(i, wall), RESUME, i, self.life[i] + STEP)
+                self._push(now + self.compute_time(i, wall), RESUME, i, STEP)
                 return
             if kind is Send:
                 size, sized = 0, None
@@ -344,7 +241,7 @@ class Simulator:
                     sized = msg
                     self.bytes_sent[i] += size
                     arrival = self.network.transmit(i, dst, size, now)
-                    if arrival is not None and not self.down[dst]:
+                    if arrival is not None:
                         self._push(arrival, DELIVER, dst, (msg, size))
                 continue
             if kind is Wait:  # the node checked ready() just before yielding this
@@ -386,14 +283,10 @@ class Simulator:
                     self._timer_pending[i] = True
                     self._push(self._deadline[i], TIMEOUT, i, None)
                     continue
-            if kind == DELIVER and (self.finished[i] or self.down[i]):
+            if kind == DELIVER and self.finished[i]:
                 msg, size = data
                 self.bytes_received[i] += size
                 continue  # does not move the clock: nobody is left to act on it
-            if kind == RESUME and (self.down[i] or data % STEP != self.life[i]):
-                continue  # an event of a crashed node's previous life
-            if kind == VIEW and not self._running():
-                continue  # membership bookkeeping after everyone stopped: not time that passes
             self.now = t
             if kind == RESUME:
                 if data >= STEP:  # a local step just completed
@@ -413,16 +306,10 @@ class Simulator:
                 if self._waiting[i] and node.ready():
                     self._waiting[i] = False
                     self._advance(i)
-            elif kind == TIMEOUT:
-                if self.down[i]:
-                    continue
+            else:  # TIMEOUT
                 self._waiting[i] = False
                 self._advance(i)
-            elif kind == FAULT:
-                self._fault(data)
-            else:  # VIEW
-                self._view()
 
     @property
     def done(self) -> bool:
-        return all(f or d for f, d in zip(self.finished, self.down))
+        return all(self.finished)

@@ -80,11 +80,21 @@ def test_batched_engine_is_deterministic_for_a_seed():
     assert not torch.equal(a.params[0], c.params[0])
 
 
-def test_crash_and_rejoin_match_per_node():
-    # a rejoining node is a fresh object: the batched engine moves it onto its row with fresh optimizer state
-    per, bat = run_both(topology="ring", steps=150, faults=["crash:2@0.4", "join:2@0.9"], detect=0.1)
-    assert_same(per, bat)
-    assert any("join 2" in f for f in bat.summary["faults"])
+def test_a_run_with_faults_runs_the_real_protocol_whatever_the_engine_allows():
+    # faults run every node's real control plane (gossip.simfaults), one model at a time:
+    # auto and per-node both mean that engine, and give the same run; the vectorised
+    # engines cannot run it and say so
+    cfg = SimConfig(nodes=8, task="digits", steps=150, seed=3, eval_every=100, topology="ring",
+                    faults=["crash:2@0.4", "join:2@0.9"], detect=0.1)
+    auto, per = simulate(cfg), simulate(dataclasses.replace(cfg, engine="per-node"))
+    assert auto.summary["engine"] == per.summary["engine"] == "protocol"
+    assert "real control plane" in auto.summary["engine_note"]
+    assert all(torch.equal(a, b) for a, b in zip(auto.params, per.params))
+    assert auto.summary["sim_time_s"] == per.summary["sim_time_s"]
+    assert auto.summary["faults"] == ["0.400s crash 2", "0.900s join 2"]
+    for engine in ("batched", "lockstep"):
+        with pytest.raises(ValueError, match=f"engine '{engine}' cannot run a simulation with faults"):
+            Simulation(dataclasses.replace(cfg, engine=engine))
 
 
 def test_nonfinite_steps_recover_alike():
@@ -440,7 +450,6 @@ REFUSALS = {
     "outer": (dict(outer="nesterov", period=2), "OuterRule"),
     "byzantine": (dict(byzantine="2=10"), "node 2 mixes with ScaledSender"),
     "link-policy": (dict(link_policy="inter:period=2"), "link policies"),
-    "faults": (dict(faults=["crash:1@0.05"]), "faults"),
     "lognormal": (dict(compute="lognormal:0.01,0.3"), "lognormal compute model"),
     "slow": (dict(slow="3=2"), "slow nodes"),
     "jitter": (dict(link="latency=1ms,jitter=1ms"), "intra links have jitter"),

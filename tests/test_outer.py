@@ -158,17 +158,37 @@ def test_checkpoint_restores_the_outer_state(tmp_path):
     assert other.rule.outer_steps == 4
 
 
-def test_a_joiner_takes_the_outer_momentum_with_the_parameters():
-    sim = Simulation(nodes=4, topology="ring", task="synthetic", steps=40, period=5, outer="nesterov", seed=0,
-                     faults=["crash:3@0.1", "join:3@0.273"], detect=0.05)
-    sim.run(until=0.28)  # mid-period (steps take 0.01 s, period 5): no outer step since the join
-    joiner = sim.sim.nodes[3]
-    donor = max((sim.sim.nodes[j] for j in range(3)), key=lambda n: n.step)
-    assert joiner.rule.momentum is not None
-    assert torch.equal(joiner.rule.momentum, donor.rule.momentum)
-    assert float(joiner.rule.momentum.abs().sum()) > 0
-    assert joiner.rule.momentum is not donor.rule.momentum  # a copy, not shared
-    sim.run()
+def test_a_joiner_takes_the_outer_momentum_with_the_parameters(monkeypatch):
+    """The real protocol's join (gossip.simfaults): the restarted node pulls a member's
+    state, which carries the outer momentum with the parameters."""
+    from gossip.node import Node
+
+    handed, taken = [], []
+    handover, adopt = Node.handover, Node.adopt_handover
+
+    def spy_handover(self):
+        flat, extra = handover(self)
+        handed.append((self.id, flat.clone(), extra))
+        return flat, extra
+
+    def spy_adopt(self, values, extra):
+        adopt(self, values, extra)
+        taken.append((self.id, values.clone(), self.rule.momentum.clone()))
+
+    monkeypatch.setattr(Node, "handover", spy_handover)
+    monkeypatch.setattr(Node, "adopt_handover", spy_adopt)
+    sim = Simulation(nodes=4, topology="ring", task="synthetic", steps=60, period=5, outer="nesterov", seed=0,
+                     faults=["crash:3@0.15", "join:3@0.3"], detect=0.05)
+    r = sim.run().result()
+    joiner = sim.cluster.procs[3]
+    assert [who for who, _, _ in taken] == [joiner.id]
+    _, values, momentum = taken[0]
+    # what it took is exactly one member's handover: parameters, then the momentum
+    sent = [(who, flat, extra) for who, flat, extra in handed if torch.equal(flat, values)]
+    assert len(sent) == 1 and sent[0][0] != joiner.id and sent[0][2] == {"outer": [0]}
+    n = values.numel() // 2
+    assert torch.equal(momentum, values[n:]) and float(momentum.abs().sum()) > 0
+    assert r.summary["exits"] == ["done"] * 4 and sim.cluster.results()[3]["joined"]
 
 
 # -- bad input ----------------------------------------------------------------------------------
