@@ -160,14 +160,20 @@ def crash(steps: int, dead_after: float, n: int = 8) -> dict:
 
 
 def partition() -> dict:
+    """The halves cut apart in the simulator, which runs every node's real control plane
+    for a run with faults (gossip.simfaults): detection, the halves' own clusters and the
+    merge after the heal are the protocol's."""
     r = gossip.simulate(nodes=8, topology="ring", task="digits", steps=300, eval_every=10, compute="fixed:0.01",
                         faults=["partition:0-3|4-7@1.0-2.0"], detect=0.2)
 
     def at(t: float) -> dict:
         return min(r.history, key=lambda h: abs(h["time"] - t))
 
+    s = r.summary
     return {"consensus_before": at(1.0)["consensus_distance"], "consensus_end_of_split": at(2.0)["consensus_distance"],
-            "consensus_final": r.history[-1]["consensus_distance"], "final_accuracy": r.summary["final_accuracy"]}
+            "consensus_final": r.history[-1]["consensus_distance"], "final_accuracy": s["final_accuracy"],
+            "engine": s["engine"], "merges": s["merges"], "timed_out_rounds": s["timed_out_rounds"],
+            "sim_time_s": s["sim_time_s"]}
 
 
 class CutBeforeTraining(RuntimeError):
@@ -328,7 +334,9 @@ def main() -> int:
               f"{c['faulty']['mean_accuracy']:.4f} vs clean {c['clean']['mean_accuracy']:.4f}")
     result["partition"] = p = partition()
     print(f"partition: consensus {p['consensus_before']:.3g} before, {p['consensus_end_of_split']:.3g} at the end "
-          f"of the split, {p['consensus_final']:.3g} at the end; accuracy {p['final_accuracy']:.4f}")
+          f"of the split, {p['consensus_final']:.3g} at the end; accuracy {p['final_accuracy']:.4f}"
+          + (f"; real protocol: {p['merges']} nodes merged, {p['timed_out_rounds']} rounds timed out, "
+             f"{p['sim_time_s']:.2f} s simulated" if "merges" in p else ""))
     if not args.skip_real:
         h = None
         try:  # a run whose cut missed training is no measurement: it retries with a later cut

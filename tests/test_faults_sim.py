@@ -112,6 +112,17 @@ def test_a_restart_costs_no_round_timeout():
     assert r.summary["sim_time_s"] < clean.summary["sim_time_s"] + 0.5
 
 
+@pytest.mark.xfail(strict=True, reason="protocol bug: with datacenter labels, a member found dead stays listed "
+                   "until its leave round, but Membership.order_key gives a member no longer in the table the label "
+                   "'' and sorts it first; the members that found it dead early (its own datacenter) reorder the "
+                   "list and build another hierarchical graph than those who have not yet, and rounds time out")
+def test_a_crash_in_a_hierarchical_cluster_costs_no_round_timeout():
+    r = gossip.simulate(nodes=8, topology="hierarchical:4,4", task="synthetic", steps=100, faults=["crash:1@0.4"],
+                        detect=0.2, timeout=2.0)
+    assert r.summary["exits"] == ["done", "crashed"] + ["done"] * 6
+    assert r.summary["timed_out_rounds"] == 0
+
+
 def test_a_late_starter_joins_with_a_neighbours_state():
     sim = Simulation(nodes=6, topology="ring", task="synthetic", steps=200, eval_every=10, faults=["join:5@1.0"],
                      detect=0.2)
@@ -123,6 +134,20 @@ def test_a_late_starter_joins_with_a_neighbours_state():
     assert r.summary["sim_time_s"] < 200 * 0.01 + 0.5  # discovery at the start, the join's rounds: no timeouts
     final = torch.stack(r.params)
     assert float(((final - final.mean(0)) ** 2).sum(1).max()) < 0.1
+
+
+@pytest.mark.parametrize("mixing", [dict(algorithm="choco", compression="topk:0.1", gamma=0.5),
+                                    dict(period=4, outer="nesterov", split="dirichlet:0.5", topology="exponential")])
+def test_the_real_nodes_train_as_the_fault_free_simulator_does(mixing):
+    """Each process gets the run's task, topology, mixing settings, split, shard and
+    seed: with a fault that falls after the end, the real protocol's nodes end with
+    the fault-free engine's parameters (to float rounding)."""
+    base = {"nodes": 6, "task": "synthetic", "steps": 60, "seed": 2, "topology": "ring", **mixing}
+    clean = gossip.simulate(**base)
+    real = gossip.simulate(faults=["crash:1@50"], **base)
+    assert real.summary["engine"] == "protocol" and real.summary["exits"] == ["done"] * 6
+    for a, b in zip(clean.params, real.params):
+        assert torch.allclose(a, b, atol=1e-6), float((a - b).abs().max())
 
 
 def test_detect_sets_the_real_detector_and_bad_combinations_are_refused():
