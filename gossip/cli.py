@@ -167,7 +167,7 @@ def build_sim_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault", action="append", default=None, metavar="EVENT",
                    help="crash:N@T, join:N@T or partition:A|B@T1-T2 (node groups like 0-3,7; repeatable); a run "
                         "with faults runs every node's real control plane (gossip-node's membership, failure "
-                        "detector, joins with a state pull, merges)")
+                        "detector, joins with a state pull, merges; their log lines with -v)")
     p.add_argument("--detect", type=float, default=3.0, metavar="SEC",
                    help="with --fault: the failure detector's --dead-after, with --heartbeat SEC/4 and --settle "
                         "SEC/4 (default: 3)")
@@ -206,6 +206,22 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
     """``gossip-sim``: run one simulation; exit 0 on success, 2 on bad input."""
     args = build_sim_parser().parse_args(argv)
     setup_logging(args.verbose)
+    # every simulated node's control plane logs its view of each fault (removals, merges,
+    # joins) as a real node does: dozens of lines per fault; shown with -v
+    quiet = [logging.getLogger(name) for name in ("gossip.peer", "gossip.control", "gossip.membership",
+                                                  "gossip.detector", "gossip.simcluster")] \
+        if args.fault and args.verbose <= 0 else []
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        return _sim(args)
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+
+
+def _sim(args: argparse.Namespace) -> int:
     from gossip.api import SimConfig, simulate
 
     try:

@@ -41,6 +41,7 @@ gossip.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -53,6 +54,8 @@ from gossip.simcluster import FAULT, SimCluster, SimProcess
 __all__ = ["FaultSimulation", "detector_settings"]
 
 ENGINE = "protocol"
+
+log = logging.getLogger("gossip.simfaults")
 
 
 def detector_settings(detect: float, round_seconds: float) -> dict[str, Any]:
@@ -103,7 +106,7 @@ class FaultSimulation:
         dcs = [self.topology.dc(i) for i in range(cfg.nodes)]
         labels = [f"dc{d:03d}" for d in dcs] if len(set(dcs)) > 1 else None
         sampler = compute.sampler(cfg.seed)
-        self.timing = detector_settings(cfg.detect, cfg.mixing.period * compute.mean * 1.0)
+        self.timing = detector_settings(cfg.detect, cfg.mixing.period * compute.mean)
         first: dict[int, str] = {}
         for ev in self.faults:
             if ev.kind in ("crash", "join"):
@@ -139,7 +142,7 @@ class FaultSimulation:
         # then has a node that never finished (see result()["exits"])
         slowest = max([1.0, *compute.slow.values()]) * compute.mean * (1 + 3 * compute.cv)
         last = max([0.0, *(ev.time for ev in self.faults)])
-        self.horizon = last + 10 * cfg.steps * slowest + 10 * self.timing["join_timeout"] + 60.0
+        self.horizon = last + 10 * cfg.steps * slowest + 10 * (self.timing["join_timeout"] + cfg.timeout) + 60.0
         self._out, self._close = open_out(out)
         self.bar = ProgressBar(cfg.steps, enabled=progress)
         with _threads(cfg.threads):
@@ -203,20 +206,15 @@ class FaultSimulation:
             c.run(until=self.horizon if until is None else min(until, self.horizon))
         self._done = not any(p.up for p in c.procs) and not any(e[2] == FAULT for e in c.events) \
             or c.now >= self.horizon
+        if c.now >= self.horizon and any(p.up for p in c.procs):
+            log.warning("the simulation with faults stopped at its horizon, %.0f simulated seconds, with processes "
+                        "still running: %s", self.horizon, ", ".join(str(p.index) for p in c.procs if p.up))
         return self
 
     def faults_applied(self) -> list[str]:
-        """The faults applied so far, as ``"1.000s crash 3"``."""
-        out = []
-        for t, what in self.cluster.log[self._skip:]:
-            kind, _, rest = what.partition(" ")
-            if kind == "start":
-                what = f"join {rest}"
-            elif kind == "partition":
-                groups = [[int(x) for x in g.strip(" []").split(",") if x.strip()] for g in rest.split("], [")]
-                what = "partition " + "|".join(_ranges(g) for g in groups)
-            out.append(f"{t:.3f}s {what}")
-        return out
+        """The faults applied so far, as ``"1.000s crash 3"``: the cluster logs each
+        scheduled one when it acts, after the starts at time 0, in the schedule's order."""
+        return [f"{t:.3f}s {_label(ev)}" for (t, _), ev in zip(self.cluster.log[self._skip:], self.faults)]
 
     def result(self) -> Any:
         """The final figures; runs to the end first if needed (and writes the summary line)."""
@@ -275,6 +273,13 @@ class FaultSimulation:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _label(ev: Any) -> str:
+    """A fault as the summary names it: ``crash 3``, ``join 3``, ``partition 0-3|4-7``, ``heal``."""
+    if ev.kind == "partition":
+        return "partition " + "|".join(_ranges(list(g)) for g in ev.groups)
+    return ev.kind if ev.kind == "heal" else f"{ev.kind} {ev.node}"
 
 
 def _ranges(ids: list[int]) -> str:
