@@ -62,14 +62,17 @@ class SimConfig:
     compute: Any = "fixed:0.01"      # step-time model (ComputeModel or spec string)
     slow: Any = None                 # {node: slowdown factor} or "3=5,7=2"
     timeout: float = 30.0            # how long a synchronous round waits (simulated seconds)
-    faults: Any = None               # ["crash:3@1.0", "join:3@2.5", "partition:0-3|4-7@1-2"] (gossip.faults)
-    detect: float = 3.0              # seconds before survivors act on a crash or partition
+    faults: Any = None               # ["crash:3@1.0", "join:3@2.5", "partition:0-3|4-7@1-2"] (gossip.faults):
+                                     # a run with faults runs every node's real control plane (gossip.simfaults)
+    detect: float = 3.0              # with faults: the failure detector's dead_after (heartbeat detect/4; see
+                                     # gossip.simfaults.detector_settings)
     # what is recorded
     eval_every: int = 0              # local steps between evaluations (0: about 20 points per run)
     device: str = "cpu"
     threads: int = 1                 # torch intra-op threads during the run (small models are fastest on 1)
     engine: str = "auto"             # auto | lockstep (whole rounds at once, gossip.lockstep) | batched (local
-                                     # steps due together as one vectorised call, gossip.batched) | per-node
+                                     # steps due together as one vectorised call, gossip.batched) | per-node;
+                                     # with faults: auto or per-node (the real control plane, engine "protocol")
 
     def __post_init__(self) -> None:
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
@@ -110,7 +113,8 @@ class SimulationResult:
     history : one record per evaluation point (time, mean step, losses,
         consensus distance, accuracies, bytes)
     summary : the final figures (what ``gossip-sim --json`` prints)
-    params : final flat parameters of each node (a list of CPU tensors)
+    params : final flat parameters of each node (a list of CPU tensors; with faults, of
+        each node's last life: a node that crashed for good holds its parameters then)
     """
 
     config: SimConfig

