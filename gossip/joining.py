@@ -123,6 +123,11 @@ class Joining:
             candidates = [node.members[j] for j in donors] or [m for m in node.members if m != life.id]
             if not candidates:
                 break
+            with life.lock:  # a member that waits to join too has no state to give: it does not answer.
+                table = life.membership.members  # In-neighbours that train first, then any member that does
+                serving = [m for m in node.members if m != life.id and m in table
+                           and table[m].status in ("training", "done")]
+            candidates = [m for m in candidates if m in serving] or serving or candidates
             donor = candidates[attempt % len(candidates)]
             life.send_message(donor, Message("state-request", life.id, start_round, 0, 0, None, None,
                                              {"inc": life.incarnation}, life.fingerprint))

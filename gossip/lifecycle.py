@@ -50,6 +50,7 @@ __all__ = ["Poll", "POLL0", "Program", "Lifecycle", "PeerError", "LATE_ROUNDS"]
 log = logging.getLogger("gossip.peer")
 
 LATE_ROUNDS = 3  # synchronous rounds timed out in a row before the node looks for a neighbour out of step
+AHEAD = 4  # state messages held for a member list not adopted yet (see Lifecycle.ahead)
 POLL = 0.05  # seconds between looks at the member table while waiting (a driver may wake earlier)
 
 
@@ -127,6 +128,10 @@ class Lifecycle:
         self.dcs: dict[str, str] = {}  # datacenter label of every member we trained with (bytes by link class)
         # state messages that arrived before our node existed, with their sender's life then
         self.early: list[tuple[Message, int | None]] = []
+        # state messages of this or a later round from a live node not (yet) in the node's
+        # member list: a joiner's first round can arrive before this node adopts the list
+        # that has it (see apply_members); a few at most, each holds a model
+        self.ahead: list[Message] = []
         self.incarnations: dict[str, int | None] = {}  # sender -> the life whose sequence numbers we track
         self.on_average: Any = None  # GossipNode's collectives: called with each "average" message
         self.serving = False  # done, but still taking part in rounds for the members that train (GossipNode)
@@ -288,6 +293,7 @@ class Lifecycle:
                               overlap=cfg.mixing.overlap, live_sends=self.live_sends)
         self.rank, self.world_size = rank, world
         self.late = 0  # timeouts of an earlier life say nothing about this one's neighbours
+        self.ahead = []  # held for the node of an earlier life
         self.node = Node(self.id, members, topology, self.task, rule, node_cfg, seed=cfg.seed,
                          split=cfg.split, rank=rank, world_size=world, device=self.device, model=self.user_model,
                          optimizer=self.user_optimizer, policies=policies)
@@ -377,7 +383,8 @@ class Lifecycle:
                 # a member already gone from the table keeps the label last known for it; only
                 # the table's labels are remembered (a guess recorded here would outlive it:
                 # the link emulator reads these labels for members no longer in the table)
-                dcs = [table[m].dc if m in table else self.dcs.get(m, self.cfg.dc) for m in members]
+                dcs = [table[m].dc if m in table else self.membership.labels.get(m) or self.dcs.get(m, self.cfg.dc)
+                       for m in members]
                 self.dcs.update({m: table[m].dc for m in members if m in table and table[m].dc})
             # every member derives the same graph from the same ordered list (and labels)
             topo = topology_for(self.cfg.topology, len(members), seed=self.cfg.seed,
@@ -396,6 +403,14 @@ class Lifecycle:
         if members != node.members:
             log.info("%s: round %d: %d members", self.id, node.round, len(members))
             node.set_members(members, self.topology_for(members))
+        if self.ahead:  # messages held for a member list that has their sender now, or not yet
+            held, self.ahead = self.ahead, []
+            for msg in held:
+                if msg.sender in node.index_of or msg.round < node.round:
+                    if not node.deliver(msg):  # (from a non-member whose round passed: rejected as such)
+                        self.node_rejected_from(msg)
+                else:
+                    self.ahead.append(msg)
 
     def train(self) -> Program:
         """Run the task's training program to the end, until stopped, or until this
@@ -544,6 +559,12 @@ class Lifecycle:
             if self.status == "done" and not self.serving:
                 return  # finished: nothing to mix into
             self.note_incarnation(msg.sender)
+            if msg.sender not in node.index_of and msg.round >= node.round and len(self.ahead) < AHEAD:
+                with self.lock:
+                    alive = msg.sender in self.membership.members
+                if alive:
+                    self.ahead.append(msg)
+                    return
             if not node.deliver(msg):
                 self.node_rejected_from(msg)
         elif msg.kind == "state-request":

@@ -165,6 +165,10 @@ class Membership:
     # when this node's current life began (see new_life): evidence from before it
     # describes a cluster this life may not be joining
     life_began: float = -math.inf
+    # the datacenter label of members no longer in the table: a member found dead stays
+    # in the schedule until its leave round, and every member must order it (and build
+    # a hierarchical graph) as those that have not found it dead yet do
+    labels: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.members[self.self_id] = Member(self.self_id, self.incarnation, 0.0, "waiting", dc=self.dc,
@@ -194,8 +198,12 @@ class Membership:
     def order_key(self, mid: str) -> tuple[str, str]:
         """Members are ordered by (datacenter, id): the same order on every node,
         with each datacenter's members contiguous (hierarchical topologies)."""
+        return (self.label(mid), mid)
+
+    def label(self, mid: str) -> str:
+        """``mid``'s datacenter label: the table's, else the last one known ("" if never)."""
         m = self.members.get(mid)
-        return (m.dc if m else "", mid)
+        return m.dc if m is not None and m.dc else self.labels.get(mid, "")
 
     def any_training(self) -> bool:
         return any(m.status in ("training", "done") for k, m in self.members.items() if k != self.self_id)
@@ -290,6 +298,8 @@ class Membership:
                 self.members[mid] = m
             return False
         (self.departed if departed else self.dead)[mid] = m.incarnation
+        if m.dc and (len(self.labels) < 4096 or mid in self.labels):
+            self.labels[mid] = m.dc
         if departed:
             self.departed_at[mid] = m.last_seen if now is None else now
         # it leaves the topology at a round everyone adopts (announced to all), so

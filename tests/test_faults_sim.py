@@ -66,11 +66,11 @@ def test_both_halves_progress_and_consensus_recovers_after_healing(asynchronous)
     assert r.summary["merges"] == 4 and r.summary["exits"] == ["done"] * 8
 
 
-@pytest.mark.xfail(strict=False, reason="protocol bug (a fix is in progress; then a plain test): after the heal the four nodes of the losing half join at "
-                   "once, and a joiner asks a fellow joiner (its ring neighbour, still waiting) for the state; "
-                   "a waiting member drops state requests without an answer (Lifecycle.handle), so the joiner "
-                   "waits max(2 s, timeout) before asking another, and its neighbours' rounds time out meanwhile")
 def test_a_healed_partition_costs_no_round_timeout():
+    """After the heal the four nodes of the losing half join at once. A joiner asked its
+    ring neighbour for the state, a fellow joiner still waiting, which has none to give
+    and does not answer: it waited max(2 s, timeout) before asking another, and its
+    neighbours' rounds timed out meanwhile. A joiner now asks members that train."""
     sim, r = partitioned()
     assert r.summary["timed_out_rounds"] == 0
     assert r.summary["sim_time_s"] < 300 * 0.01 + 1.0  # no timeouts left to wait out (30 s: SimConfig.timeout)
@@ -101,22 +101,22 @@ def test_a_crashed_node_is_dropped_and_a_restarted_one_catches_up():
     assert abs(r.summary["final_accuracy"] - clean.summary["final_accuracy"]) <= 0.02
 
 
-@pytest.mark.xfail(strict=False, reason="protocol bug (a fix is in progress; then a plain test): the joiner's first round message reaches its neighbours "
-                   "while they still run the local step before that round, before they adopt the round's member "
-                   "list; Node.deliver rejects it as not-member (it is not buffered), and both neighbours wait "
-                   "the round's timeout (30 s: SimConfig.timeout)")
 def test_a_restart_costs_no_round_timeout():
+    """The joiner's first round message reached its neighbours while they still ran the
+    local step before that round, before they adopted the member list that has it: it
+    was rejected as not-member, and both waited the round's timeout (30 s). A live
+    node's message of a round not reached yet is now held until that list is adopted."""
     sim, r, early, late, clean = restarted()
     assert r.summary["timed_out_rounds"] == 0
     # survivors did not wait on the dead node beyond the detection delay (and discovery at the start)
     assert r.summary["sim_time_s"] < clean.summary["sim_time_s"] + 0.5
 
 
-@pytest.mark.xfail(strict=False, reason="protocol bug (a fix is in progress; then a plain test): with datacenter labels, a member found dead stays listed "
-                   "until its leave round, but Membership.order_key gives a member no longer in the table the label "
-                   "'' and sorts it first; the members that found it dead early (its own datacenter) reorder the "
-                   "list and build another hierarchical graph than those who have not yet, and rounds time out")
 def test_a_crash_in_a_hierarchical_cluster_costs_no_round_timeout():
+    """A member found dead stays listed until its leave round; the order gave a member
+    no longer in the table the label '' and sorted it first, so the members that found
+    it dead early (its own datacenter) built another hierarchical graph than the rest,
+    and rounds timed out. A removed member now keeps its label until it leaves."""
     r = gossip.simulate(nodes=8, topology="hierarchical:4,4", task="synthetic", steps=100, faults=["crash:1@0.4"],
                         detect=0.2, timeout=2.0)
     assert r.summary["exits"] == ["done", "crashed"] + ["done"] * 6
