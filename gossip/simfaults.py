@@ -35,6 +35,10 @@ heals it at T2.
 
 Start-up is real too: nodes discover each other and wait ``settle`` before the
 first step, so training starts a little after time 0 (a fault-free run starts at 0).
+The run ends when every process has exited and no fault is left: a fault
+scheduled after that still moves the clock to its time, and a node started
+after the others finished finds nobody, waits ``join_timeout`` and trains
+alone from the initial model, as a real one would.
 Bytes count the control traffic (pings, member lists, state transfer) with the
 gossip.
 """
