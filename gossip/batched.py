@@ -201,16 +201,6 @@ class BatchedSteps:
         self.asked[node.id] = True
         self.pending.append(node)
 
-    def replace(self, i: int, node: Any) -> None:
-        """Node ``i`` restarted as a fresh object: move it onto its row, with fresh optimizer state."""
-        if self.asked[i]:
-            self.flush()  # the old life's step is due on the row first
-        self.nodes[i] = node
-        self._groups_all = None  # a new stream
-        self.rows.bind(self.row_of[i], node.state)
-        self.optimizer.reset(self.row_of[i])
-        node.stepper = self
-
     def flush(self) -> None:
         """Run every step asked for so far, one vectorised call per batch shape."""
         pending = self.pending

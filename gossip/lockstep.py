@@ -23,7 +23,8 @@ a network changed between the pieces is something the schedule cannot follow):
 - fixed compute time, the same on every node (no ``slow`` node, no random or
   measured times), so every node's k-th step ends at one time up to the
   nanoseconds by which message sizes differ;
-- no faults, and links without jitter, loss, ``drop`` or ``down`` windows;
+- links without jitter, loss, ``drop`` or ``down`` windows (a run with faults runs
+  the real protocol, :mod:`gossip.simfaults`, never this engine);
 - every node has an in-neighbour in every round of the topology (static or
   time-varying, e.g. one-peer exponential);
 - the schedule keeps phases apart: every node's k-th step ends before any
@@ -177,7 +178,6 @@ class Lockstep:
         self.finished = np.zeros(n, dtype=bool)
         self.busy = np.zeros(len(self.pairs), dtype=np.float64)
         self._links = dict(sim.network.links)  # what the schedule was computed for
-        self._nodes = list(nodes)
 
     # -- the schedule ---------------------------------------------------------------------------
     def _size(self, i: int, seq: int, rnd: int, step: int) -> int:
@@ -289,7 +289,7 @@ class Lockstep:
         """Process every event up to simulated time ``until`` (or to the end), as the event loop would."""
         sim = self.sim
         if self.changed() is not None:
-            raise RuntimeError("the network, the faults or the nodes changed during a lockstep run, which its "
+            raise RuntimeError("the network changed during a lockstep run, which its "
                                "schedule cannot follow; run with engine 'batched' or 'per-node' to change them "
                                "mid-run")
         try:
@@ -323,10 +323,6 @@ class Lockstep:
             return "the network was partitioned"
         if network.links != self._links:
             return "a link model changed"
-        if sim.faults:
-            return "faults were scheduled"
-        if any(a is not b for a, b in zip(sim.nodes, self._nodes)):
-            return "a node was replaced"
         return None
 
     def _process(self, ph: Phase, lo: int, hi: int) -> None:
@@ -465,8 +461,6 @@ def _static_refusal(sim: Any) -> str | None:
     n = len(nodes)
     if sim.batched is None:
         return "local steps run per node"
-    if sim.faults:
-        return "the run has faults (crashes, joins or partitions), which change membership"
     compute = sim.compute
     if compute.kind != "fixed":
         return f"the {compute.kind} compute model gives each step its own time (lockstep needs fixed:SECONDS)"
@@ -474,7 +468,7 @@ def _static_refusal(sim: Any) -> str | None:
         return "slow nodes (slow=...) end their steps at other times than the rest"
     if sim.on_step is not None and sim.step_every % n:
         return f"the observation hook runs every {sim.step_every} node-steps, not a multiple of the {n} nodes"
-    if sim.steps_done or sim.now or any(sim.down) or any(sim.finished) or sim.network._group:
+    if sim.steps_done or sim.now or any(sim.finished) or sim.network._group:
         return "the simulation has already started"
     for name, link in sim.network.links.items():
         for what in ("jitter", "loss", "drop", "down"):

@@ -200,10 +200,6 @@ class Simulator:
         for i, n in enumerate(self.nodes):
             if n.index != i:
                 raise ValueError(f"node {i} has topology index {n.index}; simulated nodes must be numbered 0..n-1")
-        # nothing is ever down here and no fault is scheduled (faults run on gossip.simcluster);
-        # gossip.lockstep still reads both
-        self.down = [False] * len(self.nodes)
-        self.faults: tuple[Any, ...] = ()
         for i in range(len(self.nodes)):
             self._push(0.0, RESUME, i, 0)
 
