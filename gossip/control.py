@@ -439,6 +439,11 @@ class ControlPlane:
         former = listed.get(self.id, self.incarnation) != self.incarnation or self.id in (f.lids or ())
         if f.bincs is not None and self.id in base and f.bincs[base.index(self.id)] not in (0, self.incarnation):
             former = True  # it started with an earlier life of ours
+        elif self.id in base and self.id in (f.lids or ()) and listed.get(self.id, self.incarnation) == self.incarnation:
+            # it started with this very life, which left before it trained: that life
+            # cannot join again (the schedule holds one life per member); a new one can
+            lincs = dict(zip(f.lids or (), f.lincs or [0] * len(f.lids or ())))
+            self.m.spent = lincs.get(self.id) in (0, self.incarnation)
         starters = [(b, i) for b, i in zip(base, f.bincs or [0] * len(base)) if not (former and b == self.id)]
         self.m.start([b for b, _ in starters], [i or None for _, i in starters])
 

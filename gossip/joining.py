@@ -74,6 +74,10 @@ class Joining:
                 # look gone; the training member we say hello to sends them
                 if life.id in m.joins and m.started:
                     return m.joins[life.id]
+                if m.spent:  # (see Membership.spent) discover afresh, as a new life
+                    raise ClusterGone("the cluster started with this life and dropped it before it trained")
+                if m.orphaned() and not m.target:
+                    raise ClusterGone("every member of the cluster it joins restarted or died")
                 if m.started and life.id in m.base and m.counts(life.id, life.incarnation):
                     # a cluster started afresh counting this life as a starter (it settled
                     # while we waited to join): nobody schedules a join; start with a member's state

@@ -229,11 +229,16 @@ class Lifecycle:
                 # a schedule none of whose other members counts in the life it has now:
                 # they all restarted or died before this node trained (it may have slept
                 # through the start, then taken the announcement from its backlog)
-                gone = base_known and not running and not any(
-                    self.membership.counts(m, self.membership.members[m].incarnation) for m in others)
+                gone = not running and self.membership.orphaned()
+                spent = self.membership.spent
             if gone:
                 log.warning("%s: no member of the cluster it would start with counts in it any more (they "
                             "restarted or died before it trained); looking for a cluster again", self.id)
+                yield from self.start_over()
+                continue
+            if spent:
+                log.warning("%s: the cluster started with this node and dropped it before it trained (silent "
+                            "for more than --dead-after s); joining it as a new life", self.id)
                 yield from self.start_over()
                 continue
             if running:

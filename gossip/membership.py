@@ -165,6 +165,10 @@ class Membership:
     # when this node's current life began (see new_life): evidence from before it
     # describes a cluster this life may not be joining
     life_began: float = -math.inf
+    # this life was a starter of the cluster whose schedule it learned, and left it before
+    # it trained (dropped while silent, e.g. behind a slow link): a life that left never
+    # joins again, so it must begin a new one to join (see ControlPlane._learn_start)
+    spent: bool = False
     # the datacenter label of members no longer in the table: a member found dead stays
     # in the schedule until its leave round, and every member must order it (and build
     # a hierarchical graph) as those that have not found it dead yet do
@@ -319,6 +323,12 @@ class Membership:
         return self.announce_leave(mid, max(self.max_round() + self.leave_margin, self.joins.get(mid, -1) + 1),
                                    incarnation, early=False)
 
+    def orphaned(self) -> bool:
+        """Whether this node knows a schedule in which no other member counts in the life
+        it has now: they all restarted or died before this node trained with them, and
+        nobody will ever schedule a round of that cluster again."""
+        return self.started and not any(self.counts(m, self.members[m].incarnation) for m in self.others())
+
     def begin_training(self) -> list[str]:
         """This node trains from now on, and its death verdicts count (see :meth:`remove`).
         Members the schedule still counts that it removed while it waited leave now:
@@ -347,6 +357,7 @@ class Membership:
         self.base, self.joins, self.leaves = set(), {}, {}
         self.lives, self.early_leaves = {}, {}
         self.started = False
+        self.spent = False
         self.target = set(target) - {self.self_id}
         self.version += 1
 

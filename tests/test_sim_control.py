@@ -355,6 +355,10 @@ def test_the_swim_detector_runs_in_the_simulated_cluster_too():
     # both other starters had restarted: it held a schedule nobody counted in and never settled
     10000077,  # a restarted joiner found its donors dead while it waited, trained alone from its
     10000260,  # join round, and kept the dead in its topology to the end: nobody announced their leave
+    24000246,  # a starter behind a slow link was dropped before it trained, learned the start and its
+    # own leave at once, and asked to join with that same life, which a schedule cannot hold twice
+    24000345,  # a restarted node took the schedule of a cluster whose every member had restarted
+    # since, and waited for a join round nobody would announce, then gave up
 ])
 def test_explored_schedules_that_once_failed_hold_every_invariant(seed, tmp_path):
     """Schedules ``python -m gossip.explore --runs 250 --seed 100`` (and ``--seed 200``, ``300``) found; kept as regressions."""
