@@ -495,8 +495,12 @@ class ControlPlane:
             for mid in verdicts.dead:
                 if self.m.remove(mid, f"silent for more than {self.m.dead_after:g} s"):
                     dead.append(mid)
+            confirmed = self.m.confirm_dead(now) if self.m.suspects else []
             digest = self.m.digest()
-        if dead:
+        if confirmed:
+            log.warning("%s: members it found dead before it trained are still silent; their leaves are "
+                        "announced: %s", self.id, ", ".join(confirmed))
+        if dead or confirmed:
             self.last_change = now
             self.broadcast(self._members_message())  # the leave rounds, so all adopt them together
         if verdicts.probes:

@@ -312,11 +312,10 @@ class Lifecycle:
         if cfg.resume and mode in ("fresh", "member"):
             self.joining.align_start(mode)
         self.status = "training"
+        now = yield POLL0
         with self.lock:
-            gone = self.membership.begin_training()
+            self.membership.begin_training(now)
             self.membership.target.clear()
-        if gone:
-            log.warning("%s: members it found dead while it waited leave the topology: %s", self.id, ", ".join(gone))
         if mode == "fresh":
             # tell everyone whom we started with: a member that has not noticed the
             # settle yet then starts as one of us instead of asking to join

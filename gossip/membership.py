@@ -169,6 +169,10 @@ class Membership:
     # it trained (dropped while silent, e.g. behind a slow link): a life that left never
     # joins again, so it must begin a new one to join (see ControlPlane._learn_start)
     spent: bool = False
+    # when each member removed for its silence was last heard; and the suspects of
+    # begin_training (id -> when it began)
+    silent_since: dict[str, float] = field(default_factory=dict)
+    suspects: dict[str, float] = field(default_factory=dict)
     # the datacenter label of members no longer in the table: a member found dead stays
     # in the schedule until its leave round, and every member must order it (and build
     # a hierarchical graph) as those that have not found it dead yet do
@@ -302,6 +306,8 @@ class Membership:
                 self.members[mid] = m
             return False
         (self.departed if departed else self.dead)[mid] = m.incarnation
+        if not departed and (len(self.silent_since) < 4096 or mid in self.silent_since):
+            self.silent_since[mid] = m.last_seen
         if m.dc and (len(self.labels) < 4096 or mid in self.labels):
             self.labels[mid] = m.dc
         if departed:
@@ -329,15 +335,31 @@ class Membership:
         nobody will ever schedule a round of that cluster again."""
         return self.started and not any(self.counts(m, self.members[m].incarnation) for m in self.others())
 
-    def begin_training(self) -> list[str]:
+    def begin_training(self, now: float) -> None:
         """This node trains from now on, and its death verdicts count (see :meth:`remove`).
-        Members the schedule still counts that it removed while it waited leave now:
-        the trainers that would have announced those leaves may have died too, and
-        then nobody ever would, and the dead would stay in its topology to the end.
-        Returns them."""
+        Members the schedule still counts that it heard in this life and then removed
+        while it waited are suspects: if none speaks to it within ``dead_after`` (see
+        :meth:`confirm_dead`), their leaves are announced then. The trainers that would
+        have announced them may have died too, and then nobody ever would, and the
+        dead would stay in the topology to the end. (The wait: a member removed while
+        this node was cut off from it, say, speaks again once this node trains with it.)"""
         self.training = True
-        return [mid for mid in sorted(self.eventual()) if mid not in self.members and mid in self.dead
-                and self.counts(mid, self.dead[mid]) and self._leave_of_dead(mid, self.dead[mid])]
+        self.suspects = {mid: now for mid in self.eventual() if mid not in self.members and mid in self.dead
+                         and self.silent_since.get(mid, -math.inf) >= self.life_began
+                         and self.counts(mid, self.dead[mid])}
+
+    def confirm_dead(self, now: float) -> list[str]:
+        """Announce the leaves of the suspects of :meth:`begin_training` still silent
+        ``dead_after`` seconds after it; returns them."""
+        out = []
+        for mid, since in list(self.suspects.items()):
+            if mid in self.members or mid not in self.dead:
+                del self.suspects[mid]  # it spoke again (or left by itself)
+            elif now - since >= self.dead_after:
+                del self.suspects[mid]
+                if self.counts(mid, self.dead[mid]) and self._leave_of_dead(mid, self.dead[mid]):
+                    out.append(mid)
+        return out
 
     def new_life(self, incarnation: int, target: Iterable[str] = (), now: float = -math.inf) -> None:
         """This node starts a new life under ``incarnation``, as a restarted process
@@ -358,6 +380,7 @@ class Membership:
         self.lives, self.early_leaves = {}, {}
         self.started = False
         self.spent = False
+        self.suspects = {}
         self.target = set(target) - {self.self_id}
         self.version += 1
 

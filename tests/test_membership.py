@@ -652,18 +652,29 @@ def test_the_control_plane_acts_on_its_detector_s_verdicts():
 def test_a_joiner_that_starts_training_announces_the_leaves_of_members_it_found_dead():
     """A node waiting for its join announces no leave of a member it finds silent
     (its silence is often its own). When it starts training, the members its schedule
-    still counts but it holds dead leave then: the trainers who would have announced
-    it may be dead too (explorer seeds 10000077, 10000260: a survivor trained to the
-    end with a crashed member in its topology)."""
-    a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    still counts but it found dead in this life leave, once they stayed silent
+    another --dead-after: the trainers who would have announced it may be dead too
+    (explorer seeds 10000077, 10000260: a survivor trained to the end with a crashed
+    member in its topology). One that speaks again meanwhile stays; one last heard
+    before this life began (across a partition, say) is no suspect: a merging node
+    that announced those leaves dropped the live members of the cluster it joined."""
+    a, b, c, d, e = (f"10.0.0.{i}:1" for i in range(1, 6))
     m = Membership(a, 1, FP, dead_after=2.0)
-    for x in (b, c):
+    for x in (b, c, d, e):
         m.heard(x, 1, 0.0, status="training", round=4)
-    m.start([b, c])
+    m.start([b, c, d, e])
+    m.new_life(2, now=1.0)  # a new life (its join comes from the lists)
+    m.start([b, c, d, e], [1, 1, 1, 1])
     m.joins[a] = 6
-    assert m.remove(c, "silent for more than 2 s")
-    assert c not in m.leaves  # waiting: no verdict of its own yet
-    assert m.begin_training() == [c]
-    assert m.training and m.leaves[c] == 4 + m.leave_margin
-    assert m.eventual() == {a, b}
-    assert m.begin_training() == []  # announced once
+    m.heard(c, 1, 1.5)
+    m.heard(d, 1, 1.5)
+    for x in (b, c, d):
+        assert m.remove(x, "silent for more than 2 s")
+    assert not m.leaves  # waiting: no verdict of its own yet
+    m.begin_training(4.0)
+    assert m.training and sorted(m.suspects) == [c, d]  # b was last heard before this life began
+    m.heard(d, 1, 5.0)  # d speaks again: re-admitted, no longer a suspect
+    assert m.confirm_dead(5.9) == [] and c not in m.leaves
+    assert m.confirm_dead(6.0) == [c]
+    assert m.leaves == {c: 4 + m.leave_margin} and m.eventual() == {a, b, d, e}
+    assert m.confirm_dead(9.0) == [] and not m.suspects
