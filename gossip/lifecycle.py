@@ -128,7 +128,7 @@ class Lifecycle:
         self.dcs: dict[str, str] = {}  # datacenter label of every member we trained with (bytes by link class)
         # state messages that arrived before our node existed, with their sender's life then
         self.early: list[tuple[Message, int | None]] = []
-        # state messages of this or a later round from a live node not (yet) in the node's
+        # state messages of this or the next round from a live node not (yet) in the node's
         # member list: a joiner's first round can arrive before this node adopts the list
         # that has it (see apply_members); a few at most, each holds a model
         self.ahead: list[Message] = []
@@ -563,7 +563,8 @@ class Lifecycle:
             if self.status == "done" and not self.serving:
                 return  # finished: nothing to mix into
             self.note_incarnation(msg.sender)
-            if msg.sender not in node.index_of and msg.round >= node.round and len(self.ahead) < AHEAD:
+            if msg.sender not in node.index_of and node.round <= msg.round <= node.round + 1 \
+                    and len(self.ahead) < AHEAD:  # (a round further ahead is no joiner's first)
                 with self.lock:
                     alive = msg.sender in self.membership.members
                 if alive:
