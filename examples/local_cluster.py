@@ -127,10 +127,13 @@ def start_nodes(n: int, out_dir: Path, node_args: Sequence[str], threads: int, f
         node.reader = threading.Thread(target=_pump, args=(node.proc.stderr, open(node.log_path, "wb"), prefix),
                                        daemon=True)
         node.reader.start()
-    (out_dir / "nodes.json").write_text(json.dumps(
+    # written whole, then renamed: whoever waits for the file never reads half of it
+    tmp = out_dir / "nodes.json.tmp"
+    tmp.write_text(json.dumps(
         {"launcher_pid": os.getpid(),
          "nodes": [{"index": x.index, "pid": x.proc.pid, "address": x.address, "log": str(x.log_path),
                     "summary": str(x.out_path)} for x in nodes]}, indent=1) + "\n")
+    os.replace(tmp, out_dir / "nodes.json")
     return nodes
 
 
