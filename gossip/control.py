@@ -21,6 +21,7 @@ cycling through made-up ids cannot grow this node's memory.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -186,6 +187,7 @@ class ControlPlane:
         self.digests: dict[str, str] = {}  # member -> the member digest it last reported
         self.seeding: set[str] = set()  # members that still wait for one of their seeds to answer
         self.last_change = 0.0
+        self.woke = -math.inf  # when this process last ran again after a stall of its own
         self.last_ping = 0.0
         self.now = 0.0
         self.clock = clock
@@ -479,6 +481,9 @@ class ControlPlane:
             # that as the members' silence
             log.warning("%s: this node stalled for %.1f s; not counting that as the members' silence",
                         self.id, verdicts.stalled)
+            # what it knew of the others is that old now, and what waited in its socket
+            # too: a start must settle again on what they say from now on (see settled)
+            self.woke = self.last_change = now
         for mid in verdicts.suspected:
             log.info("%s: member %s is suspected", self.id, mid)
         for mid in verdicts.alive:
@@ -597,7 +602,8 @@ class ControlPlane:
         reports our member set, and the set has not changed for ``settle`` seconds.
         With ``seeds``, also every ``--peers`` seed of every member has answered: two
         halves of a cluster that came up at different speeds must not start apart.
-        The second value says what is still awaited (for the log)."""
+        After a stall of this process, each member must have spoken again since: the
+        rest may have started without it meanwhile. The second value says what is still awaited (for the log)."""
         with self.lock:
             if now - self.last_change < settle:
                 return False, f"member set changed {now - self.last_change:.1f} s ago"
@@ -610,6 +616,10 @@ class ControlPlane:
             for mid, member in self.m.members.items():
                 if mid == self.id:
                     continue
+                if member.status_at <= self.woke:
+                    # it slept through (part of) the settle: the others may have started
+                    # without it, and their start announcement went to the members they kept
+                    return False, f"{mid} has not spoken since this node stalled"
                 if member.status != "waiting":
                     return False, f"{mid} is {member.status}"
                 if self.digests.get(mid) != mine:

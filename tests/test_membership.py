@@ -162,6 +162,34 @@ def test_a_node_that_stalled_does_not_count_its_own_stall_as_the_members_silence
     assert c.cp.tick(2.5) == [b]
 
 
+def test_a_waiting_node_that_stalled_settles_again_on_what_the_members_say_after_it():
+    """Seed 56000445: a starter stalled through the start; the others dropped it and
+    started without it, their start announcement going to the members they kept. Awake,
+    it must not start on its view from before the stall, nor on what waited in its
+    socket meanwhile (pings saying "waiting", sent before they started)."""
+    a, b = "10.0.0.1:1", "10.0.0.2:1"
+    me = Plane(a)
+    me.cp.now = 0.0
+    me.receive("hello", b, mids=[a, b], mincs=[1, 1])
+    for t in (0.0, 0.5, 1.0):
+        me.cp.now = t
+        me.receive("ping", b, digest=me.m.digest())
+        me.cp.tick(t)
+    assert me.cp.settled(2.5, 1.0) == (True, "")  # without a stall: settled
+    me.cp.tick(30.0)  # 29 s without a tick: this node was stopped
+    me.cp.now = 30.0
+    me.receive("ping", b, digest=me.m.digest())  # the backlog, drained as it wakes
+    assert me.cp.settled(30.0, 1.0)[0] is False
+    ok, why = me.cp.settled(31.5, 1.0)
+    assert not ok and why == f"{b} has not spoken since this node stalled"
+    me.cp.now = 31.6
+    me.receive("ping", b, status="training", digest=me.m.digest())  # b started without it
+    assert me.cp.settled(31.6, 1.0) == (False, f"{b} is training")
+    me.cp.now = 31.7
+    me.receive("ping", b, digest=me.m.digest())  # had b still waited, a start would settle now
+    assert me.cp.settled(31.7, 1.0) == (True, "")
+
+
 def test_a_node_waiting_for_its_join_does_not_drop_a_member_it_cannot_hear():
     """A node between lives (waiting for its join round and a neighbour's state) may not
     hear a member for a while. Its verdict must not become a leave round: the member
