@@ -29,6 +29,7 @@ schedule again. The last line is one JSON object: ``runs``, ``violations``,
 ``schedules_per_cpu_minute`` (and the failing seeds).
 
     python -m gossip.explore --runs 20 --seed 1
+    python -m gossip.explore --runs 20 --seed 1 --detector swim
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Any
 
 import torch
 
+from gossip.detector import DETECTORS
 from gossip.simcluster import SimCluster
 from gossip.transport.sim import LinkModel
 
@@ -152,8 +154,8 @@ def draw(seed: int) -> Schedule:
     return s
 
 
-def run_schedule(s: Schedule, workdir: str) -> SimCluster:
-    """Run schedule ``s`` (checkpoints under ``workdir``)."""
+def run_schedule(s: Schedule, workdir: str, detector: str = "heartbeat") -> SimCluster:
+    """Run schedule ``s`` (checkpoints under ``workdir``) with failure detector ``detector``."""
     link = LinkModel(latency=1e-3, bandwidth=1e9, loss=s.loss, jitter=s.jitter)
     ck = {f[2] for f in s.faults if f[1] == "restart-ck"}  # only they read checkpoints: only they write them
     late = [f[2] for f in s.faults if f[1] == "late"]
@@ -168,7 +170,7 @@ def run_schedule(s: Schedule, workdir: str) -> SimCluster:
     c = SimCluster(s.n, steps=STEPS, seed=s.seed, link=link, step_time=STEP_S, task=TASK, join_margin=10,
                    timeout=2.0, checkpoint_every=10, peers=peers, late=late, duplicate=s.duplicate,
                    reorder=s.reorder, reorder_by=s.reorder_by,
-                   checkpoint_dir=lambda i: f"{workdir}/ck{i}" if i in ck else None)
+                   checkpoint_dir=lambda i: f"{workdir}/ck{i}" if i in ck else None, detector=detector)
     for i, (drift, offset) in enumerate(s.clocks):
         c.clock(i, drift=drift, offset=offset)
     for f in s.faults:
@@ -234,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=20, help="schedules to draw and run")
     ap.add_argument("--seed", type=int, default=0, help="run k uses seed SEED * 1000003 + k")
     ap.add_argument("--replay", type=int, default=None, help="run only the schedule of this run seed")
+    ap.add_argument("--detector", choices=DETECTORS, default="heartbeat",
+                    help="the nodes' failure detector (gossip-node --detector); a seed's schedule is the same "
+                         "with either")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the protocol (INFO)")
     args = ap.parse_args(argv)
     if args.runs < 1:
@@ -249,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         s = draw(seed)
         with tempfile.TemporaryDirectory(prefix="gossip-explore-", dir=scratch) as work:
             try:
-                c = run_schedule(s, work)
+                c = run_schedule(s, work, args.detector)
                 bad = check(c, s.settles)
                 s.trace = trace(c)
             except Exception:  # an exception out of the protocol (or the harness) is a finding too
@@ -259,11 +264,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"VIOLATION {s.describe()}", file=sys.stderr)
             for b in bad:
                 print(f"  {b}", file=sys.stderr)
-            print(f"  replay: python -m gossip.explore --replay {seed}", file=sys.stderr)
+            how = "" if args.detector == "heartbeat" else f" --detector {args.detector}"
+            print(f"  replay: python -m gossip.explore --replay {seed}{how}", file=sys.stderr)
         elif args.replay is not None or args.verbose:
             print(f"ok {s.describe()}", file=sys.stderr)
     cpu = time.process_time() - cpu0
-    print(json.dumps({"runs": len(seeds), "violations": len(failed), "failing_seeds": failed,
+    print(json.dumps({"runs": len(seeds), "violations": len(failed), "failing_seeds": failed, "detector": args.detector,
                       "schedules_per_cpu_minute": round(len(seeds) / (cpu / 60), 2) if cpu > 0 else None}))
     return 1 if failed else 0
 

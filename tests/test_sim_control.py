@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -186,6 +187,20 @@ def test_explored_schedules_hold_every_invariant():
     assert explore.main(["--runs", "6", "--seed", "11"]) == 0
 
 
+def test_explored_schedules_hold_every_invariant_with_the_swim_detector(tmp_path, capsys):
+    """The same exploration with every node on ``--detector swim``."""
+    from gossip import explore
+    from gossip.detector import HeartbeatDetector
+    from gossip.swim_detector import SwimDetector
+
+    assert explore.main(["--runs", "6", "--seed", "11", "--detector", "swim"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["detector"] == "swim"
+    s = explore.draw(11 * 1000003)
+    for name, kind in (("swim", SwimDetector), ("heartbeat", HeartbeatDetector)):
+        c = explore.run_schedule(s, str(tmp_path / name), name)
+        assert all(isinstance(p.life.control.detector, kind) for p in c.procs if p.life is not None)
+
+
 @pytest.mark.skipif(not os.environ.get("GOSSIP_SOAK"), reason="soak form: set GOSSIP_SOAK=1 (about 30 CPU-minutes)")
 def test_many_explored_schedules_hold_every_invariant():
     """The soak form of the exploration: 2000 schedules."""
@@ -220,7 +235,7 @@ def test_a_fault_drawn_at_the_end_of_the_window_is_no_empty_window():
         assert all(until > at for at, until in windows), s.faults
     original = explore.run_schedule
 
-    def broken(s, work):
+    def broken(s, work, detector):
         raise RuntimeError("boom")
 
     explore.run_schedule = broken
