@@ -603,7 +603,8 @@ class ControlPlane:
         With ``seeds``, also every ``--peers`` seed of every member has answered: two
         halves of a cluster that came up at different speeds must not start apart.
         After a stall of this process, each member must have spoken again since: the
-        rest may have started without it meanwhile. The second value says what is still awaited (for the log)."""
+        rest may have started without it meanwhile. The second value says what is
+        still awaited (for the log)."""
         with self.lock:
             if now - self.last_change < settle:
                 return False, f"member set changed {now - self.last_change:.1f} s ago"

@@ -198,7 +198,8 @@ def test_explored_schedules_hold_every_invariant_with_the_swim_detector(tmp_path
     s = explore.draw(11 * 1000003)
     for name, kind in (("swim", SwimDetector), ("heartbeat", HeartbeatDetector)):
         c = explore.run_schedule(s, str(tmp_path / name), name)
-        assert all(isinstance(p.life.control.detector, kind) for p in c.procs if p.life is not None)
+        lives = [p.life for p in c.procs if p.life is not None]
+        assert lives and all(isinstance(life.control.detector, kind) for life in lives)
 
 
 @pytest.mark.skipif(not os.environ.get("GOSSIP_SOAK"), reason="soak form: set GOSSIP_SOAK=1 (about 30 CPU-minutes)")
