@@ -36,13 +36,14 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gossip.ports import free_port  # noqa: E402
 
 #: name -> local steps between exchanges (off: never within a run)
 CONFIGS = {"off": 10**9, "gossip": 1, "period4": 4}
@@ -98,12 +99,6 @@ def parameter_count(hidden: int, dim: int = 512, out: int = 16) -> int:
     18948112
     """
     return dim * hidden + hidden + hidden * hidden + hidden + hidden * out + out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(device: str, hidden: int, jobs, out) -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,24 +45,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gossip.ports import free_port, free_ports  # noqa: E402
+
 WIDTH = 4096  # a layer is WIDTH x WIDTH float32: 64 MiB
-
-
-def _free_base(k: int) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        ok = True
-        for i in range(k):
-            with socket.socket() as t:
-                try:
-                    t.bind(("127.0.0.1", base + i))
-                except OSError:
-                    ok = False
-        if ok and base + k < 65536:
-            return base
-    raise RuntimeError("no run of free ports")
 
 
 def _status(field: str) -> int:
@@ -131,11 +115,11 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_k(k: int, args: argparse.Namespace, tmp: str) -> dict:
     """Both groups of ``k`` ranks under torchrun; the per-rank figures gathered."""
-    groups = [f"127.0.0.1:{_free_base(k)}" for _ in range(2)]
+    groups = [f"127.0.0.1:{free_ports(k, consecutive=True)[0]}" for _ in range(2)]
     procs = []
     for g in groups:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(k),
-               "--master-port", str(_free_base(1)), str(Path(__file__).resolve()), "--worker",
+               "--master-port", str(free_port()), str(Path(__file__).resolve()), "--worker",
                "--group", g, "--groups", ",".join(groups), "--mib", str(args.mib), "--gbit", str(args.gbit),
                "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--out", tmp]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

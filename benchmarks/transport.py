@@ -41,7 +41,6 @@ import functools
 import json
 import multiprocessing as mp
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gossip.ports import free_port  # noqa: E402
 
 WARMUP = 3  # rounds discarded: connection set-up and the receive-buffer pool filling up
 
@@ -76,12 +76,6 @@ class Rounds:
 
     def report(self, rank: int, *counts: int) -> tuple:
         return (rank, self.wall[WARMUP:], self.cpu[WARMUP:], *counts)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Sequence
+
+from gossip.ports import free_ports
 
 NODE_MAIN = "import sys; from gossip.cli import node_main; sys.exit(node_main())"
 SHORT_NODES, SHORT_STEPS = 3, 50
@@ -57,20 +58,6 @@ class NodeProcess:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all bound at once, so none repeats)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from gossip.group import Decision, GroupError, GroupSizeError, check_group_sizes
 from gossip.group_run import main
 from gossip.membership import topology_for
 from gossip.node import init_model
+from gossip.ports import free_ports
 from gossip.state import FlatState
 from gossip.tasks import get_task
 
@@ -33,24 +33,9 @@ STEPS, PERIOD, SEED = 7, 2, 3  # exchanges at steps 2, 4, 6; one local step afte
 TASK = "synthetic:hidden=63,classes=5"  # odd rows: FSDP pads the last rank's shards
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_base(k: int) -> int:
     """A port P with P .. P+k-1 free (rank r of a group listens on P+r)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + k < 65536 and all(_free(base + i) for i in range(k)):
-            return base
-    raise RuntimeError("no run of free ports")
+    return free_ports(k, consecutive=True)[0]
 
 
 def _rank_main(env: dict[str, str], argv: list[str], out: str, err: str) -> None:

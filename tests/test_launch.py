@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 
 from gossip.cli import node_config_from_args, node_main, sim_main
 from gossip.launch import expand_hostlist, from_slurm, parse_peer_entries, read_peers_file, tasks_per_node
+from gossip.ports import free_ports
 from gossip.progress import ClearBarBeforeLogging, PeerProgress, ProgressBar
 from gossip.tensorboard_log import INSTALL_HINT, SCALARS, MetricsSink, TensorBoardLog
 from tests.cluster import free_port
@@ -467,21 +467,6 @@ def test_local_cluster_stops_every_node(tmp_path, how):
         assert proc.returncode == -signal.SIGKILL
 
 
-def two_free_ports() -> int:
-    """A base port whose next port is free too."""
-    for _ in range(50):
-        base = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("0.0.0.0", base + 1))
-            with socket.socket() as s:
-                s.bind(("0.0.0.0", base))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
-
-
 FAKE_SRUN = """#!/bin/bash
 # srun stand-in: run the command as $FAKE_NTASKS tasks on this host, with the variables srun sets
 while [[ "$1" == --* ]]; do shift; done
@@ -505,7 +490,7 @@ def test_slurm_job_script_under_a_fake_srun(tmp_path):
     bindir.mkdir()
     (bindir / "srun").write_text(FAKE_SRUN)
     (bindir / "srun").chmod(0o755)
-    base = two_free_ports()
+    base = free_ports(2, consecutive=True, host="0.0.0.0")[0]  # task i listens on base + i
     tb = importlib.util.find_spec("tensorboard") is not None
     env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                FAKE_NTASKS="2", FAKE_OUT=str(tmp_path), GOSSIP_PORT=str(base), GOSSIP_OUT=str(tmp_path / "out"),
