@@ -239,6 +239,14 @@ class ControlPlane:
                          lincs=[life(j, 0) for j, _ in leaves])
         return self._message(kind, **x)
 
+    def _note_round(self) -> None:
+        """This node's round into its own record of the member table (call with ``lock``
+        held). Leave and join rounds are announced past the furthest round a member
+        reports (``Membership.max_round``), this node's included: a node that has just
+        joined may hear no trainer but itself, and a leave it announces then must not
+        be for a round its cluster has passed."""
+        self.m.members[self.id].round = self.progress()[1]
+
     def broadcast(self, msg: Message) -> None:
         with self.lock:
             others = self.m.others()
@@ -318,6 +326,7 @@ class ControlPlane:
             return fx
         self.seeds.pop(peer, None)  # it answered: stop retrying it as a seed
         with self.lock:
+            self._note_round()
             new_member, reply = self._update(msg, f, now, fx)
             fx.reconnect = self.m.take_renewed()
         if reply:
@@ -497,6 +506,7 @@ class ControlPlane:
                 state[1] = min(state[1] * 2, BACKOFF_MAX)  # exponential backoff, capped
         dead: list[str] = []
         with self.lock:
+            self._note_round()
             for mid in verdicts.dead:
                 if self.m.remove(mid, f"silent for more than {self.m.dead_after:g} s"):
                     dead.append(mid)
@@ -576,6 +586,7 @@ class ControlPlane:
         cluster) and tell everyone its leave round. It hears of it from the lists and
         joins again as a new life, see ``excluded``."""
         with self.lock:
+            self._note_round()
             if not self.m.remove(mid, reason):
                 return
             self.last_change = self.now

@@ -222,6 +222,17 @@ class SimCluster:
     def heal(self, *, at: float) -> None:
         self.at(at, "heal", lambda: self.network.partition(None))
 
+    def cut(self, src: Sequence[int], dst: Sequence[int], *, at: float, until: float) -> None:
+        """Messages from any of ``src`` to any of ``dst`` are lost from ``at`` to ``until``;
+        the other way they pass (a real node's ``--emulate inter:down=`` drops what it
+        sends, from its own start: the two sides of such a cut begin and end apart)."""
+        if not until > at:
+            raise ValueError(f"cut needs until > at, got at={at!r}, until={until!r}")
+        pairs = [(node_id(i), node_id(j)) for i in src for j in dst if i != j]
+        what = f"{list(src)} -> {list(dst)}"
+        self.at(at, f"cut {what}", lambda: self.network.cut(pairs))
+        self.at(until, f"uncut {what}", lambda: self.network.cut(pairs, on=False))
+
     def spike(self, i: int, j: int, *, at: float, until: float, delay: float) -> None:
         """Messages sent between ``i`` and ``j`` (both ways) from ``at`` to ``until`` take
         ``delay`` seconds longer (a congested path: later ones may overtake them)."""

@@ -29,6 +29,17 @@ round announced, as for a silent member today), ``suspect`` is logged,
 ``alive`` after a suspicion or death is reported alive (the member table
 re-admits a member declared dead on direct contact, as it does today).
 
+Deaths against direct contact. SWIM's verdict that a member is dead (its own
+suspicion ran out, or the news came from another node) is doubted, not acted
+on, when this node heard from that member itself within ``dead_after / 2``:
+one node's word must not evict a member that talks to this one, as with a
+leave in another node's member list (``ControlPlane._learn_leaves``). After a
+partition whose sides were cut and rejoined at different moments, a node of one
+side may still spread the death of a member the other side hears again; the
+member refutes it (SWIM's buddy system tells it) and is alive again
+everywhere, with no leave round. A doubted member that then stays silent for
+``dead_after`` is dead after all.
+
 Timing: the probe period is ``heartbeat``; a suspect member is declared dead
 after ``max(dead_after - heartbeat, max(1, log10 n) * heartbeat)`` seconds
 (SWIM's own timeout, memberlist's scaling, is the second term), so a crash
@@ -95,6 +106,7 @@ class SwimDetector:
         self.life = incarnation
         self.swim = Swim(self.id, incarnation, random.Random(f"{self.seed}|{self.id}|{incarnation}"), self.options)
         self._synced: int | None = None
+        self.doubted: set[str] = set()  # dead by SWIM, heard from lately: see the module docstring
 
     # -- the interface of gossip.detector ------------------------------------------------------
     def heard(self, member: str, now: float) -> None:
@@ -113,11 +125,22 @@ class SwimDetector:
                 self.ignored_events += 1  # not a member, or about an older life than the table's
                 continue
             if ev.state == DEAD:
-                out.dead.append(ev.member)
+                if now - member.last_seen < self.m.dead_after / 2:
+                    self.doubted.add(ev.member)  # it spoke to this node lately: judged by its silence
+                else:
+                    out.dead.append(ev.member)
             elif ev.state == SUSPECT:
                 out.suspected.append(ev.member)
             elif ev.state == ALIVE and ev.previous in (SUSPECT, DEAD):
+                self.doubted.discard(ev.member)
                 out.alive.append(ev.member)
+        for mid in sorted(self.doubted):
+            member, rec = self.m.members.get(mid), self.swim.state(mid)
+            if member is None or rec is None or rec[0] != DEAD:
+                self.doubted.discard(mid)  # it refuted, or left the table otherwise
+            elif now - member.last_seen >= self.m.dead_after:
+                self.doubted.discard(mid)
+                out.dead.append(mid)
         return out
 
     def control_view(self, msg: Message) -> Message:

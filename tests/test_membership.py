@@ -706,3 +706,35 @@ def test_a_joiner_that_starts_training_announces_the_leaves_of_members_it_found_
     assert m.confirm_dead(6.0) == [c]
     assert m.leaves == {c: 4 + m.leave_margin} and m.eventual() == {a, b, d, e}
     assert m.confirm_dead(9.0) == [] and not m.suspects
+
+
+def test_a_leave_is_announced_past_this_node_s_own_round_when_no_other_trainer_is_heard():
+    """A node that has just joined, at round 317, hears no trainer yet but a fellow
+    joiner still waiting (round 0). Its verdict on a silent member was a leave at
+    round 0 + the margin, 5, a round its cluster had long passed (the member read it
+    as its own eviction and joined again as a new life). The leave round counts this
+    node's own round too."""
+    from gossip.detector import Verdicts
+
+    class Scripted:
+        def __init__(self):
+            self.next = Verdicts()
+
+        def heard(self, member, now):
+            pass
+
+        def tick(self, now):
+            out, self.next = self.next, Verdicts()
+            return out
+
+    a, b, c, j = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"
+    p = Plane(a, status="training", rnd=317)
+    p.cp.detector = det = Scripted()
+    p.m.heard(c, 1, 0.0)  # a member it heard, round unknown
+    p.m.heard(j, 1, 0.0, status="waiting")
+    p.m.start([b, c])
+    p.m.announce_join(a, 317, 1)
+    p.m.announce_join(j, 327, 1)
+    det.next = Verdicts(dead=[c])
+    assert p.cp.tick(1.0) == [c]
+    assert p.m.leaves[c] == 317 + p.m.leave_margin

@@ -133,6 +133,29 @@ def test_the_halves_of_a_partition_become_one_cluster_again_when_it_heals():
     assert all(s["members"] == 5 and s["steps"] == steps and s["exit"] == "done" for s in rs), rs
 
 
+@pytest.mark.parametrize("detector", ["heartbeat", "swim"])
+def test_a_partition_cut_and_healed_at_other_moments_on_each_node_becomes_one_cluster(detector):
+    """The real heal test's timing: each node's ``--emulate inter:down=`` drops what it
+    sends, from its own start, so one node still hears the other side when its own
+    messages no longer pass, and the other way round at the heal. With SWIM a node of
+    the smaller half that had just joined the larger took its old partner's word that
+    a larger-half member was dead, though that member was talking to it, and announced
+    its leave (at round 5, the cluster being at 317: it counted no trainer's round but
+    its partner's, 0): the whole larger half ended up joining again as new lives."""
+    steps = 1200
+    c = SimCluster(5, steps=steps, join_margin=10, timeout=2.0, detector=detector)
+    east, west = [0, 1, 2], [3, 4]
+    for i, begins in enumerate((4.91, 4.9, 3.11, 3.17, 4.67)):
+        c.cut([i], west if i in east else east, at=begins, until=begins + 5.0)
+    c.run(until=120.0)
+    rs = c.results()
+    for s in rs[:3]:  # the larger half went on: no new life
+        assert s["rejoins"] == 0 and s["merges"] == 0, s
+    for s in rs[3:]:  # the smaller came back as new lives, with a member's state
+        assert s["rejoins"] == 1 and s["joined"] and s["state_from"] is not None, s
+    assert all(s["members"] == 5 and s["steps"] == steps and s["exit"] == "done" for s in rs), rs
+
+
 def test_halves_that_started_apart_become_one_cluster():
     """Clusters started apart (each half's seeds across the cut did not answer, so
     each started alone after --join-timeout) meet when the link comes up; the

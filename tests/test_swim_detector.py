@@ -178,17 +178,49 @@ def test_events_about_an_older_life_of_a_member_are_ignored(restart):
         cp.apply(cp.handle(_swim(peer, life, op="ping", seq=1), 1.0))
     cp.tick(1.0)
     assert set(m.members) == {cp.id, b, x} and cp.detector.state(x) == (ALIVE, 3000)
-    # b says x's life 3000 is dead: an event of SWIM's, taken at the next tick
-    cp.apply(cp.handle(_swim(b, 2000, op="gossip", uid=[x], ust=["dead"], uinc=[3000]), 1.1))
+    # b says x's life 3000 is dead (after x last spoke to this node more than dead_after / 2
+    # ago): an event of SWIM's, taken at the next tick
+    cp.tick(2.0)
+    cp.apply(cp.handle(_swim(b, 2000, op="gossip", uid=[x], ust=["dead"], uinc=[3000]), 2.6))
     if restart:  # meanwhile the member table learns x's new life (its hello, a member list)
-        m.heard(x, 4000, 1.15)
-    dead = cp.tick(1.2)
+        m.heard(x, 4000, 2.65)
+    dead = cp.tick(2.7)
     if restart:
         assert dead == [] and x in m.members and m.members[x].incarnation == 4000
         assert cp.detector.ignored_events == 1
         assert cp.detector.state(x) == (ALIVE, 4000)  # the new life joined SWIM
     else:
         assert dead == [x] and x not in m.members
+
+
+def test_a_death_heard_of_a_member_that_talks_to_this_node_is_doubted_until_it_falls_silent():
+    """SWIM's news that x is dead, while x spoke to this node itself within dead_after / 2,
+    evicts nobody (after a partition cut and healed at different moments on each side, a
+    node of one side spread the death of a member the other side heard again: it was
+    removed, its leave announced, and it had to join again as a new life). x refutes and
+    is alive; or it falls silent, and is dead dead_after after it last spoke."""
+    b, x = "127.0.0.1:7001", "127.0.0.1:7002"
+    for refutes in (False, True):
+        cp, m, _ = _swim_plane()  # dead_after 3 s
+        for t in (1.0, 2.0):
+            for peer, life in ((b, 2000), (x, 3000)):
+                cp.apply(cp.handle(_swim(peer, life, op="ping", seq=int(t)), t))
+            cp.tick(t)
+        cp.apply(cp.handle(_swim(b, 2000, op="gossip", uid=[x], ust=["dead"], uinc=[3000]), 2.1))
+        assert cp.tick(2.2) == [] and x in m.members and cp.detector.doubted == {x}
+        assert cp.detector.state(x) == (DEAD, 3000)  # SWIM's view: the doubt is the member table's
+        if refutes:  # x heard it is dead (SWIM's buddy system) and says it is alive, above that
+            cp.apply(cp.handle(_swim(x, 3000, op="ping", seq=3, inc=3001), 2.5))
+            assert cp.tick(2.6) == [] and not cp.detector.doubted and cp.detector.state(x) == (ALIVE, 3001)
+        t = 2.6
+        while t < 4.95:  # b keeps talking; x is silent from 2.0 (or 2.5)
+            cp.apply(cp.handle(_swim(b, 2000, op="ping", seq=int(10 * t)), t))
+            assert x not in cp.tick(t + 0.05), t
+            t += 0.5
+        if not refutes:
+            assert cp.tick(5.0) == [x] and x not in m.members  # silent for dead_after: dead after all
+        else:
+            assert x in m.members  # alive again: only its own silence, through SWIM's suspicion, removes it
 
 
 def test_a_member_declared_dead_that_speaks_again_is_readmitted():

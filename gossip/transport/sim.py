@@ -14,7 +14,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -190,14 +190,28 @@ class SimNetwork:
         self.bytes_by_class: Counter[str] = Counter()
         self.messages_by_class: Counter[str] = Counter()
         self.lost = 0
-        self.cut: set[frozenset[int]] | None = None  # partition: groups that cannot talk
-        self._group: dict[int, int] = {}
+        self._group: dict[int, int] = {}  # partition: node -> its group (empty: none)
+        self._cut: Counter[tuple[Any, Any]] = Counter()  # one-way cuts: (u, v) -> how many hold it
 
     def partition(self, groups: list[list[int]] | None) -> None:
         """Split the network into groups that cannot reach each other (None heals it)."""
         self._group = {} if groups is None else {node: g for g, nodes in enumerate(groups) for node in nodes}
 
+    def cut(self, pairs: Iterable[tuple[Any, Any]], *, on: bool = True) -> None:
+        """Messages from u to v are lost for each (u, v) in ``pairs`` (``on`` False
+        lifts the cut again); the other direction is not touched, and cuts that
+        overlap hold until each is lifted."""
+        for pair in pairs:
+            if on:
+                self._cut[pair] += 1
+            elif self._cut[pair] <= 1:
+                self._cut.pop(pair, None)
+            else:
+                self._cut[pair] -= 1
+
     def reachable(self, u: int, v: int) -> bool:
+        if self._cut and (u, v) in self._cut:
+            return False
         return not self._group or self._group.get(u, -1) == self._group.get(v, -1)
 
     def transmit(self, u: Any, v: Any, nbytes: int, now: float, *, droppable: bool = True) -> float | None:
