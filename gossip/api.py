@@ -19,6 +19,7 @@ import torch
 
 from gossip.batched import choose_engine, parse_engine
 from gossip.data import parse_split
+from gossip.detector import DEFAULT_DETECTOR, DETECTORS
 from gossip.faults import parse_faults
 from gossip.lockstep import choose_lockstep
 from gossip.mixing.adversary import parse_byzantine
@@ -66,6 +67,7 @@ class SimConfig:
                                      # a run with faults runs every node's real control plane (gossip.simfaults)
     detect: float = 3.0              # with faults: the failure detector's dead_after (heartbeat detect/4; see
                                      # gossip.simfaults.detector_settings)
+    detector: str = DEFAULT_DETECTOR # with faults: the nodes' failure detector (gossip-node --detector)
     # what is recorded
     eval_every: int = 0              # local steps between evaluations (0: about 20 points per run)
     device: str = "cpu"
@@ -85,6 +87,8 @@ class SimConfig:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         if not (isinstance(self.detect, (int, float)) and self.detect >= 0):
             raise ValueError(f"detect must be a number of seconds >= 0, got {self.detect!r}")
+        if self.detector not in DETECTORS:
+            raise ValueError(f"detector must be one of {', '.join(DETECTORS)}, got {self.detector!r}")
         parse_faults(self.faults, self.nodes)
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")

@@ -13,6 +13,8 @@ import math
 import sys
 from typing import Any, Sequence
 
+from gossip.detector import DEFAULT_DETECTOR, DETECTORS
+
 __all__ = ["sim_main", "build_sim_parser", "node_main", "build_node_parser", "mixing_settings"]
 
 EXIT_USAGE = 2
@@ -171,6 +173,9 @@ def build_sim_parser() -> argparse.ArgumentParser:
     p.add_argument("--detect", type=float, default=3.0, metavar="SEC",
                    help="with --fault: the failure detector's --dead-after, with --heartbeat SEC/4 and --settle "
                         "SEC/4 (default: 3)")
+    p.add_argument("--detector", choices=DETECTORS, default=DEFAULT_DETECTOR,
+                   help="with --fault: the nodes' failure detector, as gossip-node --detector (default: "
+                        "%(default)s)")
     p.add_argument("--engine", default="auto", metavar="auto|lockstep|batched|per-node",
                    help="how nodes run: lockstep = every node a round at a time, one vectorised step and one "
                         "sparse mixing product (synchronous exact gossip, fixed compute, no faults), batched = "
@@ -228,7 +233,7 @@ def _sim(args: argparse.Namespace) -> int:
         cfg = SimConfig(nodes=args.nodes, topology=args.topology, mixing=mixing_settings(args), task=args.task,
                         split=args.split, steps=args.steps, seed=args.seed, link=args.link, inter_link=args.inter_link,
                         compute=args.compute, slow=args.slow, timeout=args.timeout, eval_every=args.eval_every,
-                        faults=args.fault, detect=args.detect, byzantine=args.byzantine,
+                        faults=args.fault, detect=args.detect, detector=args.detector, byzantine=args.byzantine,
                         device=args.device, engine=args.engine)
         out: Any = args.out
         if args.tensorboard:  # the JSONL records, also as TensorBoard scalars
@@ -298,10 +303,10 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="ping interval (default: 0.5)")
     p.add_argument("--dead-after", type=_positive_float("--dead-after"), default=3.0, metavar="SEC",
                    help="silence before a member is declared dead (default: 3)")
-    p.add_argument("--detector", choices=("heartbeat", "swim"), default="heartbeat",
+    p.add_argument("--detector", choices=DETECTORS, default=DEFAULT_DETECTOR,
                    help="failure detector: heartbeat (every member pings every other each --heartbeat) or swim "
                         "(each pings one member per --heartbeat, with indirect probes; constant traffic per "
-                        "node); every member must use the same (default: heartbeat)")
+                        "node); every member must use the same (default: %(default)s)")
     p.add_argument("--settle", type=float, default=2.0, metavar="SEC",
                    help="member set stable this long before a fresh cluster starts (default: 2)")
     p.add_argument("--join-timeout", type=_positive_float("--join-timeout"), default=60.0, metavar="SEC",

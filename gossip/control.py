@@ -154,9 +154,10 @@ class ControlPlane:
         halves of a partition that healed, or clusters started apart, meet
     clock : when given, read on every incoming message, so a message is timed when
         it is handled (otherwise ``now`` is the last tick's time)
-    detector : the failure detector, or its name (``"heartbeat"``, the default:
-        :class:`~gossip.detector.HeartbeatDetector`, every member pings every other
-        each ``heartbeat``; ``"swim"``: :class:`~gossip.swim_detector.SwimDetector`)
+    detector : the failure detector, or its name (``"swim"``, the default
+        (:data:`~gossip.detector.DEFAULT_DETECTOR`): :class:`~gossip.swim_detector.SwimDetector`;
+        ``"heartbeat"``: :class:`~gossip.detector.HeartbeatDetector`, every member pings
+        every other each ``heartbeat``)
     """
 
     def __init__(self, node_id: str, incarnation: int, fingerprint: str, dc: str, membership: Membership,
@@ -252,6 +253,15 @@ class ControlPlane:
             others = self.m.others()
         for peer in others:
             self.send(peer, msg)
+
+    def announce_status(self) -> None:
+        """A ping to every member now, with this node's status (it just changed). With
+        SWIM a member hears another only when a probe meets it, once per pass of the
+        probe order (n - 1 periods): a finished node would wait that long to learn that
+        all the others finished too."""
+        with self.lock:
+            digest = self.m.digest()
+        self.broadcast(self._message("ping", digest=digest))
 
     # -- incoming --------------------------------------------------------------------------
     def on_frames(self, ident: bytes, frames: list) -> None:

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from gossip.detector import DETECTORS
+from gossip.detector import DEFAULT_DETECTOR, DETECTORS
 from gossip.simcluster import SimCluster
 from gossip.transport.sim import LinkModel
 
@@ -154,7 +154,7 @@ def draw(seed: int) -> Schedule:
     return s
 
 
-def run_schedule(s: Schedule, workdir: str, detector: str = "heartbeat") -> SimCluster:
+def run_schedule(s: Schedule, workdir: str, detector: str = DEFAULT_DETECTOR) -> SimCluster:
     """Run schedule ``s`` (checkpoints under ``workdir``) with failure detector ``detector``."""
     link = LinkModel(latency=1e-3, bandwidth=1e9, loss=s.loss, jitter=s.jitter)
     ck = {f[2] for f in s.faults if f[1] == "restart-ck"}  # only they read checkpoints: only they write them
@@ -236,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=20, help="schedules to draw and run")
     ap.add_argument("--seed", type=int, default=0, help="run k uses seed SEED * 1000003 + k")
     ap.add_argument("--replay", type=int, default=None, help="run only the schedule of this run seed")
-    ap.add_argument("--detector", choices=DETECTORS, default="heartbeat",
+    ap.add_argument("--detector", choices=DETECTORS, default=DEFAULT_DETECTOR,
                     help="the nodes' failure detector (gossip-node --detector); a seed's schedule is the same "
-                         "with either")
+                         "with either (default: %(default)s)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the protocol (INFO)")
     args = ap.parse_args(argv)
     if args.runs < 1:
@@ -264,8 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"VIOLATION {s.describe()}", file=sys.stderr)
             for b in bad:
                 print(f"  {b}", file=sys.stderr)
-            how = "" if args.detector == "heartbeat" else f" --detector {args.detector}"
-            print(f"  replay: python -m gossip.explore --replay {seed}{how}", file=sys.stderr)
+            print(f"  replay: python -m gossip.explore --replay {seed} --detector {args.detector}", file=sys.stderr)
         elif args.replay is not None or args.verbose:
             print(f"ok {s.describe()}", file=sys.stderr)
     cpu = time.process_time() - cpu0

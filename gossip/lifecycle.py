@@ -101,7 +101,7 @@ class Lifecycle:
                                     self._to_node, self.progress, heartbeat=cfg.heartbeat,
                                     seeds=tuple(parse_address(p) for p in cfg.peers), reconnect=reconnect,
                                     excluded=self.on_excluded, clock=clock,
-                                    detector=getattr(cfg, "detector", "heartbeat"))
+                                    detector=getattr(cfg, "detector", None))
         self.to_node: Callable[[Message], None] = self.handle  # the real driver queues them for its thread
         self.status = "waiting"
         self.node: Node | None = None
@@ -541,6 +541,7 @@ class Lifecycle:
         self.status = "done"
         if self.interrupted:
             return
+        self.control.announce_status()
         now = yield POLL0
         end = now + self.cfg.grace
         while now < end and not self.stop.is_set():

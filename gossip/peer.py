@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from gossip import wire
+from gossip.detector import DEFAULT_DETECTOR, DETECTORS
 from gossip.lifecycle import Lifecycle, PeerError, Poll
 from gossip.membership import parse_address
 from gossip.message import Message
@@ -107,7 +108,7 @@ class PeerConfig:
     emulate: tuple[str, ...] = ()        # link emulation: "CLASS:latency=50ms,bandwidth=100Mbit,loss=0,drop=N"
     curve_keys: str | None = None        # CurveZMQ key directory (see gossip.security); None: no encryption
     tensorboard: str | None = None       # TensorBoard directory: scalars of the metrics in DIR/<node id>/
-    detector: str = "heartbeat"          # failure detector: heartbeat (all-to-all pings) or swim (gossip.swim_detector)
+    detector: str = DEFAULT_DETECTOR     # failure detector: heartbeat (all-to-all pings) or swim (gossip.swim_detector)
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "--listen")
@@ -139,8 +140,6 @@ class PeerConfig:
         if not isinstance(self.dc, str) or len(self.dc) > 64:
             raise ValueError("dc must be a short string")
         emulated_links(self.emulate)  # fails early on a bad spec
-        from gossip.detector import DETECTORS
-
         if self.detector not in DETECTORS:
             raise ValueError(f"detector must be one of {', '.join(DETECTORS)}, got {self.detector!r}")
         if self.tensorboard:

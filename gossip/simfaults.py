@@ -25,7 +25,8 @@ What the :class:`~gossip.api.SimConfig` becomes, per node (a
   ``dead_after = detect``, ``heartbeat = detect / 4``, ``settle`` one heartbeat (the
   start-up: discovery, then a stable member set this long), ``grace = 2.5 * detect``,
   ``join_timeout = 20 * detect`` (at least 1 s), and ``join_margin`` the rounds a
-  heartbeat lasts (2 to 20).
+  heartbeat lasts (2 to 20);
+* ``detector`` names the nodes' failure detector (``gossip-node --detector``).
 
 The faults (:mod:`gossip.faults`): ``crash:N@T`` kills process N (no goodbye);
 ``join:N@T`` starts it (a late first start when its first fault is a join, else a
@@ -131,7 +132,7 @@ class FaultSimulation:
                 inter_link=links["inter"] if labels is not None else None,
                 step_time=lambda i: sampler(i, 0.0), peers=lambda i: starters, late=late, configure=configure,
                 device=cfg.device, task=self.task, topology=cfg.topology, mixing=cfg.mixing, split=cfg.split,
-                timeout=float(cfg.timeout), **self.timing)
+                timeout=float(cfg.timeout), detector=cfg.detector, **self.timing)
         for ev in self.faults:
             if ev.kind == "crash":
                 c.crash(ev.node, at=ev.time)
@@ -244,7 +245,8 @@ class FaultSimulation:
             "exits": [p.exit if not p.up else "running" for p in c.procs],
             "rejoins": sum(life.rejoins for life in lives), "merges": sum(life.merges for life in lives),
             "timed_out_rounds": sum(life.timed_out_rounds for life in lives),
-            "detector": {k: self.timing[k] for k in ("dead_after", "heartbeat", "settle", "join_margin")},
+            "detector": {"name": cfg.detector,
+                         **{k: self.timing[k] for k in ("dead_after", "heartbeat", "settle", "join_margin")}},
         })
         if self._out is not None:
             import json

@@ -1,7 +1,8 @@
 """SWIM (``gossip/swim.py``) as the control plane's failure detector.
 
-Select it with ``PeerConfig(detector="swim")`` or ``gossip-node --detector swim``;
-every member of a cluster must use the same detector. Instead of every member
+The default (``PeerConfig(detector="swim")``, ``gossip-node --detector swim``;
+``--detector heartbeat`` runs the all-to-all pings instead); every member of a
+cluster must use the same detector. Instead of every member
 pinging every other each ``heartbeat``, each member probes one member per
 ``heartbeat`` (indirectly through 3 others when it does not answer), and
 deaths spread piggybacked on the probes, so control traffic per node stays

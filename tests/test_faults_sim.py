@@ -10,6 +10,7 @@ import torch
 
 import gossip
 from gossip.api import Simulation
+from gossip.detector import detection_bound
 from gossip.faults import parse_faults
 from gossip.simcluster import node_id
 
@@ -21,26 +22,38 @@ COMMON = dict(nodes=8, topology="ring", task="digits", steps=300, eval_every=10,
 _RUNS: dict = {}
 
 
-def partitioned(asynchronous=False):
+def partitioned(asynchronous=False, detector="heartbeat"):
     """The run of two halves cut apart from 1 s to 2 s (shared by the tests that read it)."""
-    if asynchronous not in _RUNS:
-        sim = Simulation(faults=["partition:0-3|4-7@1.0-2.0"], detect=0.2, asynchronous=asynchronous, **COMMON)
-        _RUNS[asynchronous] = sim, sim.run().result()
-    return _RUNS[asynchronous]
+    key = ("partition", asynchronous, detector)
+    if key not in _RUNS:
+        sim = Simulation(faults=["partition:0-3|4-7@1.0-2.0"], detect=0.2, asynchronous=asynchronous,
+                         detector=detector, **COMMON)
+        _RUNS[key] = sim, sim.run().result()
+    return _RUNS[key]
 
 
-def restarted():
+def restarted(detector="heartbeat"):
     """Node 3 crashes at 1 s and restarts at 2 s; stopped at 1.2 s and 1.6 s on the way
     (the survivors' member lists then, for the tests that read them); and the clean run."""
-    if "restart" not in _RUNS:
-        sim = Simulation(faults=["crash:3@1.0", "join:3@2.0"], detect=0.3, **COMMON)
+    key = ("restart", detector)
+    if key not in _RUNS:
+        sim = Simulation(faults=["crash:3@1.0", "join:3@2.0"], detect=0.3, detector=detector, **COMMON)
         dead = node_id(3)
         sim.run(until=1.2)
         early = [dead in n.members for n in sim.nodes]
         sim.run(until=1.6)
         late = [dead in n.members for i, n in enumerate(sim.nodes) if i != 3]
-        _RUNS["restart"] = sim, sim.run().result(), early, late, gossip.simulate(**COMMON)
-    return _RUNS["restart"]
+        _RUNS[key] = sim, sim.run().result(), early, late, gossip.simulate(**COMMON)
+    return _RUNS[key]
+
+
+def late_detection(sim) -> float:
+    """How much later than the heartbeat detector the run's detector may find a crash,
+    at worst (gossip.detector.detection_bound: SWIM's bound is loose, its usual delay a
+    few periods more than the heartbeat's)."""
+    t, n = sim.timing, sim.config.nodes
+    return detection_bound(sim.config.detector, n, t["heartbeat"], t["dead_after"]) - \
+        detection_bound("heartbeat", n, t["heartbeat"], t["dead_after"])
 
 
 def at(history, t):
@@ -48,12 +61,13 @@ def at(history, t):
     return [h for h in history if h["time"] <= t][-1]
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_both_halves_progress_and_consensus_recovers_after_healing(asynchronous):
-    sim, r = partitioned(asynchronous)
+@pytest.mark.parametrize("asynchronous,detector", [(False, "heartbeat"), (True, "heartbeat"), (False, "swim")])
+def test_both_halves_progress_and_consensus_recovers_after_healing(asynchronous, detector):
+    sim, r = partitioned(asynchronous, detector)
     before, during, after = at(r.history, 1.0), at(r.history, 2.0), r.history[-1]
     # both halves kept training: about 100 steps in the 1 s apart, with the 0.2 s detection
-    assert during["step"] - before["step"] >= 75
+    # (80 with heartbeats; SWIM, 50, may take longer to find the other half gone)
+    assert during["step"] - before["step"] >= 75 - late_detection(sim) / 0.01
     assert during["consensus_distance"] > 5 * before["consensus_distance"]  # they drifted apart
     assert after["consensus_distance"] < before["consensus_distance"]       # and came back together
     assert r.summary["final_accuracy"] > 0.93
@@ -66,18 +80,20 @@ def test_both_halves_progress_and_consensus_recovers_after_healing(asynchronous)
     assert r.summary["merges"] == 4 and r.summary["exits"] == ["done"] * 8
 
 
-def test_a_healed_partition_costs_no_round_timeout():
+@pytest.mark.parametrize("detector", ["heartbeat", "swim"])
+def test_a_healed_partition_costs_no_round_timeout(detector):
     """After the heal the four nodes of the losing half join at once. A joiner asked its
     ring neighbour for the state, a fellow joiner still waiting, which has none to give
     and does not answer: it waited max(2 s, timeout) before asking another, and its
     neighbours' rounds timed out meanwhile. A joiner now asks members that train."""
-    sim, r = partitioned()
+    sim, r = partitioned(detector=detector)
     assert r.summary["timed_out_rounds"] == 0
     assert r.summary["sim_time_s"] < 300 * 0.01 + 1.0  # no timeouts left to wait out (30 s: SimConfig.timeout)
 
 
-def test_a_crashed_node_is_dropped_and_a_restarted_one_catches_up():
-    sim, r, early, late, clean = restarted()
+@pytest.mark.parametrize("detector", ["heartbeat", "swim"])
+def test_a_crashed_node_is_dropped_and_a_restarted_one_catches_up(detector):
+    sim, r, early, late, clean = restarted(detector)
     dead = node_id(3)
     # the survivors' failure detector, not the simulator, removes it: still a member a
     # while after the crash (1.2 s), gone once it was silent for dead_after (0.3 s) and
@@ -101,15 +117,17 @@ def test_a_crashed_node_is_dropped_and_a_restarted_one_catches_up():
     assert abs(r.summary["final_accuracy"] - clean.summary["final_accuracy"]) <= 0.02
 
 
-def test_a_restart_costs_no_round_timeout():
+@pytest.mark.parametrize("detector", ["heartbeat", "swim"])
+def test_a_restart_costs_no_round_timeout(detector):
     """The joiner's first round message reached its neighbours while they still ran the
     local step before that round, before they adopted the member list that has it: it
     was rejected as not-member, and both waited the round's timeout (30 s). A live
     node's message of a round not reached yet is now held until that list is adopted."""
-    sim, r, early, late, clean = restarted()
+    sim, r, early, late, clean = restarted(detector)
     assert r.summary["timed_out_rounds"] == 0
-    # survivors did not wait on the dead node beyond the detection delay (and discovery at the start)
-    assert r.summary["sim_time_s"] < clean.summary["sim_time_s"] + 0.5
+    # survivors did not wait on the dead node beyond the detection delay (and discovery at
+    # the start): 3.45 s with heartbeats, 3.67 with SWIM, against 3.03 without the fault
+    assert r.summary["sim_time_s"] < clean.summary["sim_time_s"] + 0.5 + late_detection(sim)
 
 
 def test_a_crash_in_a_hierarchical_cluster_costs_no_round_timeout():
@@ -161,9 +179,21 @@ def test_detect_sets_the_real_detector_and_bad_combinations_are_refused():
     assert (cfg.dead_after, cfg.heartbeat, cfg.rank, cfg.world_size) == (0.4, 0.1, 0, 4)
     import networkx as nx
 
+    from gossip.detector import DEFAULT_DETECTOR, HeartbeatDetector
+    from gossip.swim_detector import SwimDetector
+
+    assert cfg.detector == DEFAULT_DETECTOR
+    for name, kind in (("heartbeat", HeartbeatDetector), ("swim", SwimDetector)):
+        sim = Simulation(nodes=4, steps=30, faults=["crash:1@0.05"], detect=0.4, detector=name)
+        assert all(p.cfg.detector == name for p in sim.cluster.procs)
+        r = sim.run().result()
+        assert all(isinstance(p.life.control.detector, kind) for p in sim.cluster.procs if p.life is not None)
+        assert r.summary["detector"]["name"] == name and r.summary["exits"][1] == "crashed"
+
     for change, needle in [(dict(detect=0), "detect must be a positive number"),
                            (dict(topology=nx.cycle_graph(4)), "faults need a topology spec string"),
                            (dict(byzantine="2=10"), "byzantine"), (dict(compute="measured"), "measured"),
+                           (dict(detector="gossip"), "detector must be one of heartbeat, swim, got 'gossip'"),
                            (dict(engine="lockstep"), "engine 'lockstep' cannot run a simulation with faults"),
                            (dict(engine="batched"), "engine 'batched' cannot run a simulation with faults")]:
         with pytest.raises(ValueError, match=needle):
@@ -193,5 +223,8 @@ def test_cli_fault_flag(capsys):
     # the simulated control planes' own lines (the survivors removing node 1) only with -v
     assert "removed" not in out.err and logging.getLogger("gossip.membership").level == before
     assert sim_main(["--nodes", "4", "--steps", "2", "--fault", "crash:7@1"]) == 2
+    with pytest.raises(SystemExit) as e:
+        sim_main(["--nodes", "4", "--fault", "crash:1@1", "--detector", "gossip"])
+    assert e.value.code == 2 and "invalid choice: 'gossip'" in capsys.readouterr().err
     assert sim_main(["--nodes", "4", "--steps", "2", "--fault", "crash:1@1", "--engine", "lockstep"]) == 2
     assert "cannot run a simulation with faults" in capsys.readouterr().err

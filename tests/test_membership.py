@@ -13,7 +13,8 @@ FP = "f" * 16
 
 
 class Plane:
-    """A ControlPlane for node ``me`` whose sends and reconnects are recorded."""
+    """A ControlPlane for node ``me`` whose sends and reconnects are recorded, on the
+    heartbeat detector (its verdicts follow from ``last_seen`` alone)."""
 
     def __init__(self, me: str, *, seeds: tuple[str, ...] = (), status: str = "waiting", rnd: int = 0) -> None:
         self.sent: list[tuple[str, Message]] = []
@@ -27,7 +28,7 @@ class Plane:
         self.cp = ControlPlane(me, 1, FP, "", self.m, threading.RLock(), lambda d, m: self.sent.append((d, m)),
                                lambda m: None, lambda: (self.status, self.round, 0), heartbeat=0.5, seeds=seeds,
                                reconnect=self.reconnected.append,
-                               excluded=self._excluded)
+                               excluded=self._excluded, detector="heartbeat")
 
     def _excluded(self, rnd: int, by: str, cluster: set[str], merge: bool) -> None:
         if merge:

@@ -250,15 +250,26 @@ def test_a_new_life_of_this_node_starts_a_fresh_detector():
     assert cp.detector.state("127.0.0.1:7001") == (ALIVE, 2000)  # members joined again from the table
 
 
-def test_the_default_is_the_heartbeat_detector_and_a_bad_name_is_refused():
-    m = Membership("127.0.0.1:7000", 1, FP)
-    cp = ControlPlane("127.0.0.1:7000", 1, FP, "", m, threading.RLock(), lambda d, msg: None, lambda msg: None,
-                      lambda: ("waiting", 0, 0))
-    assert isinstance(cp.detector, HeartbeatDetector)
-    assert PeerConfig(listen="127.0.0.1:7000").detector == "heartbeat"
+def test_the_default_is_the_swim_detector_and_a_bad_name_is_refused():
+    from gossip.api import SimConfig
+    from gossip.cli import build_node_parser, build_sim_parser
+    from gossip.explore import run_schedule
+
+    def plane(**kw):
+        m = Membership("127.0.0.1:7000", 1, FP)
+        return m, ControlPlane("127.0.0.1:7000", 1, FP, "", m, threading.RLock(), lambda d, msg: None,
+                               lambda msg: None, lambda: ("waiting", 0, 0), **kw)
+
+    assert isinstance(plane()[1].detector, SwimDetector)
+    assert PeerConfig(listen="127.0.0.1:7000").detector == "swim" and SimConfig().detector == "swim"
+    assert build_node_parser().parse_args(["--listen", "tcp://127.0.0.1:7000"]).detector == "swim"
+    assert build_sim_parser().parse_args([]).detector == "swim"
+    assert run_schedule.__defaults__ == ("swim",)
     with pytest.raises(ValueError, match="detector must be one of heartbeat, swim, got 'gossipy'"):
         PeerConfig(listen="127.0.0.1:7000", detector="gossipy")
     # a heartbeat node counts a swim message as a bad control message and changes nothing
+    m, cp = plane(detector="heartbeat")
+    assert isinstance(cp.detector, HeartbeatDetector)
     cp.on_frames(b"127.0.0.1:7001", wire.encode(_swim("127.0.0.1:7001", 5, op="ping", seq=1)))
     assert cp.rejected == Counter({"control": 1}) and set(m.members) == {"127.0.0.1:7000"}
 
@@ -362,3 +373,15 @@ def test_detector_traffic_benchmark_runs_and_ends_with_its_json_line(capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for det in ("heartbeat", "swim"):
         assert 0 < result["msgs_per_node_s"][det]["4"] < 10 and 0 < result["detect_s"][det]["4"] < 10, result
+
+
+def test_the_docstring_examples_of_the_detectors_hold():
+    import doctest
+
+    import gossip.detector
+    import gossip.swim
+    import gossip.swim_detector
+
+    for module in (gossip.detector, gossip.swim_detector, gossip.swim):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, (module.__name__, result)
