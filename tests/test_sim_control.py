@@ -117,6 +117,17 @@ def test_a_stalled_node_declared_dead_joins_again_by_itself():
     assert max(r["neighbor_distance"] for r in rs) < 0.01, rs
 
 
+def _the_smaller_half_joined_the_larger(rs: list[dict], steps: int) -> None:
+    """Nodes 0-2 went on (no new life); 3 and 4 came back as new lives with a member's
+    state (at least one by a merge); all five finished in one cluster."""
+    for s in rs[:3]:
+        assert s["rejoins"] == 0 and s["merges"] == 0, s
+    for s in rs[3:]:
+        assert s["rejoins"] == 1 and s["joined"] and s["state_from"] is not None, s
+    assert sum(s["merges"] for s in rs[3:]) >= 1, rs[3:]
+    assert all(s["members"] == 5 and s["steps"] == steps and s["exit"] == "done" for s in rs), rs
+
+
 def test_the_halves_of_a_partition_become_one_cluster_again_when_it_heals():
     """Twin of test_the_halves_of_a_partition_become_one_cluster_again_when_it_heals:
     the smaller half (3, 4) joins the larger (0, 1, 2) as new lives with a member's state."""
@@ -124,13 +135,7 @@ def test_the_halves_of_a_partition_become_one_cluster_again_when_it_heals():
     c = SimCluster(5, steps=steps, join_margin=10)
     c.partition([[0, 1, 2], [3, 4]], at=3.0, until=7.0)
     c.run(until=120.0)
-    rs = c.results()
-    for s in rs[:3]:  # the larger half went on: no new life
-        assert s["rejoins"] == 0 and s["merges"] == 0, s
-    for s in rs[3:]:  # the smaller came back as new lives, with a member's state
-        assert s["rejoins"] == 1 and s["joined"] and s["state_from"] is not None, s
-    assert sum(s["merges"] for s in rs[3:]) >= 1, rs[3:]
-    assert all(s["members"] == 5 and s["steps"] == steps and s["exit"] == "done" for s in rs), rs
+    _the_smaller_half_joined_the_larger(c.results(), steps)
 
 
 @pytest.mark.parametrize("detector", ["heartbeat", "swim"])
@@ -148,12 +153,7 @@ def test_a_partition_cut_and_healed_at_other_moments_on_each_node_becomes_one_cl
     for i, begins in enumerate((4.91, 4.9, 3.11, 3.17, 4.67)):
         c.cut([i], west if i in east else east, at=begins, until=begins + 5.0)
     c.run(until=120.0)
-    rs = c.results()
-    for s in rs[:3]:  # the larger half went on: no new life
-        assert s["rejoins"] == 0 and s["merges"] == 0, s
-    for s in rs[3:]:  # the smaller came back as new lives, with a member's state
-        assert s["rejoins"] == 1 and s["joined"] and s["state_from"] is not None, s
-    assert all(s["members"] == 5 and s["steps"] == steps and s["exit"] == "done" for s in rs), rs
+    _the_smaller_half_joined_the_larger(c.results(), steps)
 
 
 def test_halves_that_started_apart_become_one_cluster():
