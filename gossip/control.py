@@ -520,6 +520,9 @@ class ControlPlane:
             for mid in verdicts.dead:
                 if self.m.remove(mid, f"silent for more than {self.m.dead_after:g} s"):
                     dead.append(mid)
+            for mid in verdicts.left:  # as its goodbye would have (see _on_bye)
+                if self.m.remove(mid, "left (another member heard its goodbye)", departed=True, now=now):
+                    self.last_change = now
             confirmed = self.m.confirm_dead(now) if self.m.suspects else []
             digest = self.m.digest()
         if confirmed:

@@ -57,6 +57,7 @@ class Verdicts:
     suspected: list[str] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
     alive: list[str] = field(default_factory=list)  # suspected before, heard from since
+    left: list[str] = field(default_factory=list)  # said goodbye, as another node heard (SWIM's news)
     stalled: float = 0.0  # seconds this node itself did not run (0: it ran)
     sends: list[tuple[str, str, dict]] = field(default_factory=list)  # (destination, kind, fields) to send now
 

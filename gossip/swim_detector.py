@@ -135,6 +135,10 @@ class SwimDetector:
             elif ev.state == ALIVE and ev.previous in (SUSPECT, DEAD):
                 self.doubted.discard(ev.member)
                 out.alive.append(ev.member)
+            elif ev.state == LEFT:
+                # its goodbye did not reach this node (lost), the news of it did; SWIM
+                # probes it no more, so without this it would stay a member for good
+                out.left.append(ev.member)
         for mid in sorted(self.doubted):
             member, rec = self.m.members.get(mid), self.swim.state(mid)
             if member is None or rec is None or rec[0] != DEAD:
