@@ -26,7 +26,8 @@ refutations). Members enter it from the member table (hellos, member lists,
 restarts: a member's new life is joined at its incarnation); members that
 said goodbye leave it. An event about a member is acted on only when it is
 about the life in the member table: ``dead`` becomes a removal (its leave
-round announced, as for a silent member today), ``suspect`` is logged,
+round announced, as for a silent member today), ``left`` a removal as its
+goodbye would have made (the goodbye itself was lost), ``suspect`` is logged,
 ``alive`` after a suspicion or death is reported alive (the member table
 re-admits a member declared dead on direct contact, as it does today).
 
