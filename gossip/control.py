@@ -386,6 +386,12 @@ class ControlPlane:
             # finished cluster's schedule from it, and then settle with nobody
             return False, False
         restarted = old is not None and inc > old.incarnation  # a new life of a node we knew
+        # the life of the peer that this node's schedule counts ended when a newer one
+        # speaks, whether the table learned of the newer life from the peer itself or,
+        # before, from a member list (merge takes a newer life silently: its first direct
+        # message is then no restart, and the old life would stay counted for good)
+        counted = self.m.lives.get(peer)
+        ended = counted if counted is not None and counted < inc else (old.incarnation if restarted else None)
         # the peer's cluster (as it will be once its announced changes take effect)
         theirs = None if f.base is None else cluster_after(f.base, f.jids or (), f.lids or ())
         ours = self.m.eventual()
@@ -431,11 +437,11 @@ class ControlPlane:
         my_status, my_round, _ = self.progress()
         if new_member:
             self.last_change = now
-        if restarted and my_status == "training" and self.m.started and peer in self.m.eventual():
+        if ended is not None and my_status == "training" and self.m.started and peer in self.m.eventual():
             # a new life of a member we train with: its old life sends no more. It leaves
             # at an announced round (its new life joins when it says hello to someone,
             # maybe in another cluster, see foreign above)
-            self.m.announce_leave(peer, self.m.max_round() + self.m.leave_margin, old.incarnation)  # type: ignore[union-attr]
+            self.m.announce_leave(peer, self.m.max_round() + self.m.leave_margin, ended)
         if msg.kind != "hello":
             return new_member, False
         active = self.m.counts(peer, inc)
