@@ -93,6 +93,27 @@ def test_a_restarted_member_is_scheduled_as_a_joiner_after_its_old_life_leaves()
     assert [d for d, m in a.sent if m.kind == "members"][:1] == ["10.0.0.2:1"]
 
 
+def test_a_new_life_learned_first_from_a_member_list_still_ends_the_counted_life():
+    """(explorer seed 115000414) c's list tells a of b's new life before b speaks; the
+    table takes it silently, so b's own first message is no restart. The life a's
+    schedule counts ended all the same: it leaves at an announced round. Before, it
+    stayed counted for good, and b's new cluster and a's never merged."""
+    a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    pa = Plane(a, status="training", rnd=100)
+    for x in (b, c):
+        pa.m.heard(x, 1, 0.0, status="training", round=100)
+    pa.m.start([a, b, c])
+    pa.receive("members", c, status="training", rnd=100, mids=[a, b, c], mincs=[1, 2, 1])
+    assert pa.m.members[b].incarnation == 2 and pa.m.counts(b)  # the table knows; the schedule counts life 1
+    assert b not in pa.m.leaves
+    schedule = pa.m.schedule_digest()
+    pa.receive("ping", b, inc=2, status="training", rnd=3)
+    assert pa.m.leaves[b] == 100 + pa.m.leave_margin and pa.m.lives[b] == 1
+    assert pa.m.eventual() == {a, c}
+    # a's pings carry the new schedule digest: members that differ ask for its lists
+    assert pa.m.schedule_digest() != schedule
+
+
 def test_a_restarted_node_learns_it_is_no_longer_a_starter():
     """The running cluster lists an older incarnation of us: we join, not start as a member."""
     me = Plane("10.0.0.2:1")
