@@ -386,12 +386,12 @@ class ControlPlane:
             # finished cluster's schedule from it, and then settle with nobody
             return False, False
         restarted = old is not None and inc > old.incarnation  # a new life of a node we knew
-        # the life of the peer that this node's schedule counts ended when a newer one
-        # speaks, whether the table learned of the newer life from the peer itself or,
+        # the peer's life this node's schedule counts (else the table's) ended when a newer
+        # one speaks, whether the table learned of the newer life from the peer itself or,
         # before, from a member list (merge takes a newer life silently: its first direct
         # message is then no restart, and the old life would stay counted for good)
-        counted = self.m.lives.get(peer)
-        ended = counted if counted is not None and counted < inc else (old.incarnation if restarted else None)
+        counted = self.m.lives.get(peer, old.incarnation if old is not None else None)
+        ended = counted if counted is not None and counted < inc else None
         # the peer's cluster (as it will be once its announced changes take effect)
         theirs = None if f.base is None else cluster_after(f.base, f.jids or (), f.lids or ())
         ours = self.m.eventual()

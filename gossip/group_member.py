@@ -24,7 +24,6 @@ message is dropped for a connection still opening.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import queue
@@ -46,6 +45,7 @@ from gossip.mixing import MixReport
 from gossip.mixing.base import all_finite, decode_payload
 from gossip.mixing.settings import MixingSettings, build_rules
 from gossip.node import Node, NodeConfig, Release, Send, Wait
+from gossip.state import sha256_of
 from gossip.transport.sim import LinkModel, SimNetwork, parse_link
 from gossip.transport.zmq import ZmqTransport
 
@@ -64,11 +64,6 @@ class _Shard(nn.Module):
     def __init__(self, flat: torch.Tensor) -> None:
         super().__init__()
         self.shard = nn.Parameter(flat, requires_grad=False)
-
-
-def sha256_of(t: torch.Tensor) -> str:
-    """The hash of a tensor's values (to tell that a joiner took exactly its donor's shard)."""
-    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 def _rounds_agree(group: Group, rnd: int, late: bool) -> tuple[int, int, bool]:

@@ -7,16 +7,14 @@ lifecycle's member table, control plane and node.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Any
-
-import torch
 
 from gossip.checkpoint import latest_checkpoint, load_checkpoint
 from gossip.message import Message
 from gossip.mixing.base import all_finite, decode_payload
 from gossip.program import POLL0, PeerError, Poll, Program
+from gossip.state import sha256_of
 
 __all__ = ["Joining", "ClusterGone"]
 
@@ -28,11 +26,6 @@ POLL = 0.05  # seconds between looks while waiting for a state reply (a driver m
 class ClusterGone(PeerError):
     """The cluster a node waits to join stopped training before the node's first round
     (its members died or started new lives): there is no round to join any more."""
-
-
-def sha256_of(t: torch.Tensor) -> str:
-    """The hash of a tensor's bytes (the simulator's audit of handed-over states)."""
-    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 class Joining:

@@ -38,12 +38,13 @@ import torch
 from gossip.checkpoint import checkpoint_step, latest_checkpoint, load_members, save_checkpoint, save_members
 from gossip.compression import get_codec
 from gossip.control import ControlPlane
-from gossip.joining import ClusterGone, Joining, sha256_of
+from gossip.joining import ClusterGone, Joining
 from gossip.membership import Membership, out_of_step, parse_address, topology_for
 from gossip.message import Message
 from gossip.mixing.settings import build_rules
 from gossip.node import Compute, Node, NodeConfig, Wait
 from gossip.program import POLL0, PeerError, Poll, Program
+from gossip.state import sha256_of
 
 __all__ = ["Poll", "POLL0", "Program", "Lifecycle", "PeerError", "LATE_ROUNDS"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FlatState", "model_fingerprint", "fingerprint_of"]
+__all__ = ["FlatState", "model_fingerprint", "fingerprint_of", "sha256_of"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,11 @@ def _float_entries(model: nn.Module, include_buffers: bool):
                     continue
                 seen.add(id(b))
                 yield (f"{mod_name}.{attr}" if mod_name else attr), module, attr, b, False
+
+
+def sha256_of(t: torch.Tensor) -> str:
+    """The hash of a tensor's bytes: equal hashes mean bit-identical values (any dtype)."""
+    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def model_fingerprint(names_shapes_dtypes: list[tuple[str, tuple[int, ...], str]]) -> str:
@@ -181,5 +186,4 @@ class FlatState:
 
     def sha256(self) -> str:
         """Hash of the parameter bytes: equal hashes mean bit-identical models."""
-        t = self.flat.detach().contiguous().cpu()
-        return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+        return sha256_of(self.flat)
