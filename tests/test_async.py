@@ -77,6 +77,7 @@ def run_frozen(n, rounds, topology, **cfg):
     return topo, x0.double().numpy(), np.stack([nd.state.flat.double().numpy() for nd in nodes])
 
 
+@pytest.mark.numeric
 def test_overlap_mixes_the_same_rounds_one_exchange_later():
     # with no local progress in between, overlapped mixing is exactly synchronous mixing
     topo, x0, got = run_frozen(6, 5, "ring", overlap=True)
@@ -110,6 +111,7 @@ def test_overlap_speedup_and_loss_when_messages_take_a_compute_step():
     assert abs(over["final_loss"] / block["final_loss"] - 1) <= 0.05
 
 
+@pytest.mark.numeric
 def test_link_policies_mix_each_class_on_its_own_schedule():
     # intra every step, inter every 2nd: after 4 steps x = Wx Wi Wi Wx Wi Wi ... applied in order
     n, steps = 6, 4

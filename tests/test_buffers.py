@@ -142,6 +142,7 @@ def test_frames_that_split_a_value_are_joined():
     assert torch.equal(torch.frombuffer(chunked.join(), dtype=torch.float32), x)
 
 
+@pytest.mark.numeric
 def test_weighted_sum_of_pieces_equals_the_joined_one():
     from gossip.mixing.gossip import weighted_sum_
 

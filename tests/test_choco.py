@@ -45,6 +45,7 @@ def mismatched_copies(nodes) -> list[tuple[int, int]]:
 # ----------------------------------------------------------------------------- exactness
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("spec,n", [("ring", 6), ("torus:3x3", 9), ("exponential", 8), ("star", 5)])
 def test_identity_codec_gamma_1_reproduces_plain_gossip(spec, n):
     rounds = 12
@@ -63,6 +64,7 @@ def test_identity_codec_gamma_1_reproduces_plain_gossip(spec, n):
     assert sum(nd.rule.gaps for nd in c_nodes) == 0
 
 
+@pytest.mark.numeric
 def test_identity_choco_trains_like_gossip_with_real_gradients():
     kw = dict(nodes=6, topology="ring", task="synthetic", steps=25, seed=2, eval_every=25)
     plain = gossip.simulate(algorithm="gossip", **kw)
@@ -72,6 +74,7 @@ def test_identity_choco_trains_like_gossip_with_real_gradients():
     assert choco.summary["bytes_sent"] > plain.summary["bytes_sent"]  # only the cseq header field differs
 
 
+@pytest.mark.numeric
 def test_gamma_below_one_is_lazy_gossip():
     # identity codec: x_hat_j = x_j after each exchange, so x <- x + g (W x - x)
     rounds, g = 8, 0.3
@@ -254,6 +257,7 @@ def test_member_change_rekeys_copies_by_identity():
 # -------------------------------------------------------------- convergence and tuning
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("codec", ["topk:0.1", "int8", "sign", "randk:0.2"])
 def test_choco_consensus_converges_with_lossy_codecs_on_frozen_nodes(codec):
     x0, nodes, sim = frozen_sim("ring", 8, 100, compression=codec, dim=200)

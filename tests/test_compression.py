@@ -307,6 +307,7 @@ def test_sign_bits_are_packed_msb_first() -> None:
     assert bytes(enc.buffers[0]) == bytes([0b10011101, 0b01000000])
 
 
+@pytest.mark.numeric
 def test_gpu_code_paths_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # What runs on a GPU, checked here on CPU tensors: bit packing with torch ops, and
     # int8 over all blocks in one piece.

@@ -439,6 +439,7 @@ def test_rank_0s_control_plane_drops_a_silent_group_and_ends_the_wait_for_it_in_
         assert ma.skipped_waits == 1
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("options", [{"compression": "int8"}, {"outer": "nesterov:lr=0.7,momentum=0.9"},
                                      {"compression": "int8", "outer": "nesterov:lr=0.7,momentum=0.9"}])
 def test_a_compressed_rule_or_an_outer_optimizer_on_each_shard_is_the_same_on_the_whole_model(monkeypatch,

@@ -30,9 +30,11 @@ def test_two_user_loops_gossip_and_agree():
     a, b = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
     assert {a["rank"], b["rank"]} == {0, 1} and a["world_size"] == b["world_size"] == 2
     assert a["accuracy"] > 0.8 and b["accuracy"] > 0.8
-    # two nodes on a ring average exactly: after the last exchange they hold the same model
+    # two nodes on a ring average exactly: after the last exchange they hold the same model, up to
+    # the last bit (a mixes lerp(x_a, x_b, 1/2), b the mirror lerp(x_b, x_a, 1/2): where x_b - x_a
+    # rounds, the two midpoints may round apart)
     # (neighbor_distance is measured against the neighbour's last *sent*, pre-mixing parameters)
-    assert a["loss"] == b["loss"] and a["neighbor_distance"] < 0.05
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0) and a["neighbor_distance"] < 0.05
     # unseeded models: equal only because GossipNode starts both from the first member's
     assert a["steps"] == b["steps"] >= 300
     assert a["cluster_accuracy"] == b["cluster_accuracy"] == (a["accuracy"] + b["accuracy"]) / 2
