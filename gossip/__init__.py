@@ -15,11 +15,11 @@ __all__ = ["__version__", "simulate", "Simulation", "SimConfig", "SimulationResu
 
 _LAZY = {"simulate": "gossip.api", "Simulation": "gossip.api", "SimConfig": "gossip.api",
          "SimulationResult": "gossip.api", "MixingSettings": "gossip.mixing.settings",
-         "GossipNode": "gossip.user_loop", "ShardSampler": "gossip.sampler", "shard": "gossip.sampler"}
+         "GossipNode": "gossip.peer.user_loop", "ShardSampler": "gossip.training.sampler", "shard": "gossip.training.sampler"}
 
 
 def __getattr__(name: str):
-    # Lazy so that ``import gossip.compression`` or ``gossip.wire`` stays light.
+    # Lazy so that ``import gossip.compression`` or ``gossip.transport.wire`` stays light.
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'gossip' has no attribute {name!r}")

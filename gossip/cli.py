@@ -13,7 +13,7 @@ import math
 import sys
 from typing import Any, Sequence
 
-from gossip.detector import DEFAULT_DETECTOR, DETECTORS
+from gossip.protocol.detector import DEFAULT_DETECTOR, DETECTORS
 
 __all__ = ["sim_main", "build_sim_parser", "node_main", "build_node_parser", "mixing_settings"]
 
@@ -213,8 +213,8 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.verbose)
     # every simulated node's control plane logs its view of each fault (removals, merges,
     # joins) as a real node does: dozens of lines per fault; shown with -v
-    quiet = [logging.getLogger(name) for name in ("gossip.peer", "gossip.control", "gossip.membership",
-                                                  "gossip.detector", "gossip.simcluster")] \
+    quiet = [logging.getLogger(name) for name in ("gossip.peer.driver", "gossip.protocol.control", "gossip.protocol.membership",
+                                                  "gossip.protocol.detector", "gossip.sim.cluster")] \
         if args.fault and args.verbose <= 0 else []
     levels = [q.level for q in quiet]
     for q in quiet:
@@ -237,7 +237,7 @@ def _sim(args: argparse.Namespace) -> int:
                         device=args.device, engine=args.engine)
         out: Any = args.out
         if args.tensorboard:  # the JSONL records, also as TensorBoard scalars
-            from gossip.tensorboard_log import open_metrics
+            from gossip.peer.tensorboard_log import open_metrics
 
             out = open_metrics(args.out, args.tensorboard)
         try:
@@ -372,7 +372,7 @@ def _load_toml(path: str) -> dict[str, Any]:
 
 def _own_peers(peers: list[str], listen: str, advertise: str | None) -> tuple[str, ...]:
     """Peers in order, each once, without this node (a shared host list names every node)."""
-    from gossip.membership import parse_address
+    from gossip.transport.addresses import parse_address
 
     normal = [parse_address(p, "--peers entry") for p in peers]
     me = {parse_address(listen, "--listen")}
@@ -383,7 +383,7 @@ def _own_peers(peers: list[str], listen: str, advertise: str | None) -> tuple[st
 
 def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Namespace]:
     """Parse flags (and --config), returning (PeerConfig, namespace)."""
-    from gossip.peer import PeerConfig
+    from gossip.protocol.config import PeerConfig
 
     parser = build_node_parser()
     defaults = {a.dest: a.default for a in parser._actions if a.dest != "help"}
@@ -396,13 +396,13 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
     merged.update(given)
     peers = [p.strip() for p in (merged.get("peers") or "").split(",") if p.strip()]
     if merged.get("peers_file"):
-        from gossip.launch import read_peers_file
+        from gossip.peer.launch import read_peers_file
 
         peers += read_peers_file(merged["peers_file"])
     if merged.get("slurm"):
         import os
 
-        from gossip.launch import DEFAULT_SLURM_PORT, from_slurm
+        from gossip.peer.launch import DEFAULT_SLURM_PORT, from_slurm
 
         task = from_slurm(os.environ, merged.get("slurm_port") or DEFAULT_SLURM_PORT)
         if not merged.get("listen"):  # what the flags or the config file name explicitly wins
@@ -429,6 +429,10 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
                      max_message_mb=merged["max_message_mb"], curve_keys=merged.get("curve_keys"),
                      emulate=tuple(merged.get("emulate") or ()), tensorboard=merged.get("tensorboard"),
                      detector=merged["detector"])
+    if cfg.tensorboard:
+        from gossip.peer.tensorboard_log import require_tensorboard
+
+        require_tensorboard()  # the install command, before anything starts
     args.json = bool(merged.get("json"))
     args.progress = merged.get("progress")
     args.threads = merged.get("threads")
@@ -438,7 +442,7 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
 
 def _progress_bar(peer: Any, progress: bool | None) -> Any:
     """A one-line progress bar on stderr (when it is a terminal, or forced), fed after every step."""
-    from gossip.progress import ClearBarBeforeLogging, PeerProgress, ProgressBar
+    from gossip.core.progress import ClearBarBeforeLogging, PeerProgress, ProgressBar
 
     bar = ProgressBar(peer.cfg.steps, enabled=progress)
     if not bar.enabled:
@@ -461,7 +465,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        from gossip.peer import Peer, PeerError
+        from gossip.peer.driver import Peer, PeerError
 
         peer = Peer(cfg)
     except ValueError as e:

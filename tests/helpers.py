@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gossip.data import BatchStream
+from gossip.training.data import BatchStream
 
 
 class VectorModel(nn.Module):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import threading
 
-from gossip.control import ControlPlane
-from gossip.membership import Membership
-from gossip.message import Message
+from gossip.core.message import Message
+from gossip.protocol.control import ControlPlane
+from gossip.protocol.membership import Membership
 
 FP = "f" * 16
 
@@ -38,7 +38,7 @@ class Plane:
 
     def receive(self, kind: str, sender: str, inc: int = 1, *, status: str = "waiting", rnd: int = 0,
                 **extra) -> None:
-        from gossip import wire
+        from gossip.transport import wire
 
         x = {"inc": inc, "status": status, "dc": "", **extra}
         frames = wire.encode(Message(kind, sender, rnd, 0, 0, None, None, x, FP))
@@ -600,16 +600,16 @@ def test_a_cluster_whose_starters_all_restarted_still_schedules_joins():
 def test_the_docstring_examples_of_membership_hold():
     import doctest
 
-    import gossip.membership
+    import gossip.protocol.membership
 
-    result = doctest.testmod(gossip.membership)
+    result = doctest.testmod(gossip.protocol.membership)
     assert result.attempted >= 8 and result.failed == 0
 
 
 def test_a_neighbour_far_behind_is_out_of_step_and_one_far_ahead_means_this_node_is():
     """The wedge under churn: four nodes near round 122,700 waited every round for a
     live member that trained at round 47,937 from a stale checkpoint."""
-    from gossip.membership import out_of_step
+    from gossip.protocol.membership import out_of_step
 
     awaited = {"a": ("training", 47_937), "b": ("training", 122_699), "c": ("waiting", 0), "d": ("done", 10)}
     assert out_of_step(122_700, awaited, 25) == (["a"], None)
@@ -640,7 +640,7 @@ def test_silence_from_a_new_life_read_of_in_a_list_is_no_leave_for_its_join():
 
 
 def test_the_heartbeat_detector_probes_everyone_each_heartbeat_and_declares_the_silent_dead():
-    from gossip.detector import HeartbeatDetector
+    from gossip.protocol.detector import HeartbeatDetector
 
     a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
     m = Membership(a, 1, FP, dead_after=2.0)
@@ -663,7 +663,7 @@ def test_the_heartbeat_detector_probes_everyone_each_heartbeat_and_declares_the_
 def test_the_control_plane_acts_on_its_detector_s_verdicts():
     """The interface a SWIM detector plugs into: its dead become announced leaves, its
     probes are sent as messages of their kind carrying the member digest."""
-    from gossip.detector import Verdicts
+    from gossip.protocol.detector import Verdicts
 
     class Scripted:
         def __init__(self):
@@ -685,7 +685,7 @@ def test_the_control_plane_acts_on_its_detector_s_verdicts():
         p.m.heard(x, 1, 0.0, status="training", round=10)
     p.m.start([a, b, c])
     p.cp.now = 1.0
-    from gossip import wire
+    from gossip.transport import wire
 
     frames = wire.encode(Message("state", b, 10, 10, 1, None, None, {}, FP))
     p.cp.on_frames(b.encode(), [bytes(memoryview(f)) for f in frames])
@@ -736,7 +736,7 @@ def test_a_leave_is_announced_past_this_node_s_own_round_when_no_other_trainer_i
     round 0 + the margin, 5, a round its cluster had long passed (the member read it
     as its own eviction and joined again as a new life). The leave round counts this
     node's own round too."""
-    from gossip.detector import Verdicts
+    from gossip.protocol.detector import Verdicts
 
     class Scripted:
         def __init__(self):

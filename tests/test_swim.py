@@ -1,4 +1,4 @@
-"""The SWIM failure detector (gossip/swim.py) on a tiny virtual network and clock.
+"""The SWIM failure detector (gossip/protocol/swim.py) on a tiny virtual network and clock.
 
 Every scenario is deterministic: one seed draws the nodes' rngs, latencies and
 losses, and the clock is virtual, so each runs in well under a second and a
@@ -15,9 +15,19 @@ from typing import Callable
 
 import pytest
 
-from gossip import wire
-from gossip.swim import (ALIVE, DEAD, LEFT, SUSPECT, MemberEvent, Swim, SwimMessage, SwimOptions, from_message,
-                         to_message)
+from gossip.protocol.swim import (
+    ALIVE,
+    DEAD,
+    LEFT,
+    SUSPECT,
+    MemberEvent,
+    Swim,
+    SwimMessage,
+    SwimOptions,
+    from_message,
+    to_message,
+)
+from gossip.transport import wire
 
 TICK = 0.1  # the control plane's tick
 
@@ -493,9 +503,9 @@ def test_malformed_swim_frames_reaching_a_control_plane_are_counted_and_change_n
 
     import msgpack
 
-    from gossip.control import ControlPlane
-    from gossip.membership import Membership
-    from gossip.message import Message
+    from gossip.core.message import Message
+    from gossip.protocol.control import ControlPlane
+    from gossip.protocol.membership import Membership
 
     me, peer = "127.0.0.1:7000", "127.0.0.1:7001"
     m = Membership(me, 1000, "fp")

@@ -1,8 +1,8 @@
-"""SWIM as the control plane's failure detector (gossip/swim_detector.py).
+"""SWIM as the control plane's failure detector (gossip/protocol/swim_detector.py).
 
-Unit tests run real :class:`~gossip.control.ControlPlane` objects that exchange
+Unit tests run real :class:`~gossip.protocol.control.ControlPlane` objects that exchange
 real encoded wire frames on a virtual clock (deterministic, well under a second
-each); the simulated cluster runs the whole peer (gossip.simcluster); the last
+each); the simulated cluster runs the whole peer (gossip.sim.cluster); the last
 tests run real ``gossip-node --detector swim`` processes on loopback.
 """
 
@@ -19,16 +19,16 @@ import pytest
 import torch
 
 import gossip
-from gossip import wire
-from gossip.checkpoint import latest_checkpoint, load_checkpoint
-from gossip.control import ControlPlane
-from gossip.detector import HeartbeatDetector
-from gossip.membership import Membership
-from gossip.message import Message
-from gossip.peer import PeerConfig
-from gossip.simcluster import SimCluster, node_id
-from gossip.swim import ALIVE, DEAD
-from gossip.swim_detector import SwimDetector, swim_options
+from gossip.core.checkpoint import latest_checkpoint, load_checkpoint
+from gossip.core.message import Message
+from gossip.protocol.config import PeerConfig
+from gossip.protocol.control import ControlPlane
+from gossip.protocol.detector import HeartbeatDetector
+from gossip.protocol.membership import Membership
+from gossip.protocol.swim import ALIVE, DEAD
+from gossip.protocol.swim_detector import SwimDetector, swim_options
+from gossip.sim.cluster import SimCluster, node_id
+from gossip.transport import wire
 from tests.cluster import Cluster, free_port, wait_for_step
 
 torch.set_num_threads(1)
@@ -253,7 +253,7 @@ def test_a_new_life_of_this_node_starts_a_fresh_detector():
 def test_the_default_is_the_swim_detector_and_a_bad_name_is_refused():
     from gossip.api import SimConfig
     from gossip.cli import build_node_parser, build_sim_parser
-    from gossip.explore import run_schedule
+    from gossip.sim.explore import run_schedule
 
     def plane(**kw):
         m = Membership("127.0.0.1:7000", 1, FP)
@@ -284,13 +284,13 @@ def test_gossip_node_detector_flag_bad_value_exits_2(capsys):
     assert "--detector" in err and "'heartbeat', 'swim'" in err
 
 
-# -- the whole peer, simulated (gossip.simcluster) ------------------------------------------------
+# -- the whole peer, simulated (gossip.sim.cluster) ------------------------------------------------
 
 def test_simulated_crash_with_swim_is_detected_and_the_others_finish(caplog):
     steps = 600
     c = SimCluster(4, steps=steps, detector="swim")
     c.crash(3, at=3.0)
-    with caplog.at_level("WARNING", logger="gossip.membership"):
+    with caplog.at_level("WARNING", logger="gossip.protocol.membership"):
         c.run(until=120.0)
     # the detector's verdict, not a round timeout, removed it
     assert caplog.text.count(f"member {node_id(3)} removed: silent") == 3, caplog.text[-3000:]
@@ -378,10 +378,10 @@ def test_detector_traffic_benchmark_runs_and_ends_with_its_json_line(capsys):
 def test_the_docstring_examples_of_the_detectors_hold():
     import doctest
 
-    import gossip.detector
-    import gossip.swim
-    import gossip.swim_detector
+    import gossip.protocol.detector
+    import gossip.protocol.swim
+    import gossip.protocol.swim_detector
 
-    for module in (gossip.detector, gossip.swim_detector, gossip.swim):
+    for module in (gossip.protocol.detector, gossip.protocol.swim_detector, gossip.protocol.swim):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, (module.__name__, result)

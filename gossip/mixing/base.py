@@ -14,10 +14,10 @@ from typing import Any, Iterable
 
 import torch
 
-from gossip.buffers import Chunked, Pieces, pooled_copy
 from gossip.compression import Codec, Encoded, get_codec, get_decoder
 from gossip.compression.base import DTYPES
-from gossip.message import Message, Packet
+from gossip.core.buffers import Chunked, Pieces, pooled_copy
+from gossip.core.message import Message, Packet
 
 __all__ = ["Inbox", "MixingRule", "MixReport", "all_finite", "decode_payload", "take_round_messages"]
 
@@ -139,7 +139,7 @@ class MixingRule:
         """``x`` encoded for sending while training goes on changing it.
 
         A codec whose encoding views its input (identity on CPU) encodes a
-        snapshot, taken into a pooled buffer (:func:`gossip.buffers.pooled_copy`),
+        snapshot, taken into a pooled buffer (:func:`gossip.core.buffers.pooled_copy`),
         unless the node said that ``x`` stays as it is until sent
         (:attr:`sends_live`); any other codec's encoding is a copy already, so
         ``x`` goes in as it is.
@@ -209,7 +209,7 @@ class MixingRule:
 
     def decode_pieces(self, msg: Message, like: torch.Tensor) -> torch.Tensor | Pieces:
         """Like :meth:`decode`, but an uncompressed payload that arrived as several
-        frames may come back as :class:`~gossip.buffers.Pieces` (for element-wise
+        frames may come back as :class:`~gossip.core.buffers.Pieces` (for element-wise
         use: :func:`all_finite`, :func:`~gossip.mixing.gossip.weighted_sum_`)."""
         if msg.tensor is None:
             msg.tensor = decode_payload(msg, like, pieces=True)
@@ -240,7 +240,7 @@ def decode_payload(msg: Message, like: torch.Tensor, pieces: bool = False) -> to
     """Decode ``msg.data`` with the codec it names, as ``like``'s dtype and device.
 
     With ``pieces=True``, an uncompressed payload of ``like``'s dtype that arrived
-    as several frames comes back as :class:`~gossip.buffers.Pieces` viewing them,
+    as several frames comes back as :class:`~gossip.core.buffers.Pieces` viewing them,
     instead of being joined into one tensor (a copy of the whole payload)."""
     data = msg.data
     src = data.source
@@ -256,7 +256,7 @@ def decode_payload(msg: Message, like: torch.Tensor, pieces: bool = False) -> to
 
 
 def all_finite(t: torch.Tensor | Pieces) -> bool:
-    """Whether every element of ``t`` (a tensor or :class:`~gossip.buffers.Pieces`) is finite.
+    """Whether every element of ``t`` (a tensor or :class:`~gossip.core.buffers.Pieces`) is finite.
 
     A NaN or an infinity anywhere makes the sum non-finite (NaN propagates, an
     infinity stays one or meets its opposite and makes NaN), so a finite sum

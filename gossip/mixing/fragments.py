@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gossip.message import Packet
+from gossip.core.message import Packet
 from gossip.mixing.base import Inbox, MixReport
 
 __all__ = ["FragmentRule", "check_fragments", "fragment_bounds"]

@@ -1,7 +1,7 @@
 """One settings object for how a node mixes, and the one place that turns it into rules.
 
 Every entry point (``gossip-sim`` and ``gossip-node`` flags, a TOML file,
-:class:`gossip.SimConfig`, :class:`gossip.peer.PeerConfig`,
+:class:`gossip.SimConfig`, :class:`gossip.protocol.config.PeerConfig`,
 :class:`gossip.GossipNode`) parses its mixing options into a
 :class:`MixingSettings` once, at the boundary; the simulator, the real node and
 ``GossipNode`` embed that object, and :func:`build_rules` builds a node's rules
@@ -29,8 +29,9 @@ from gossip.mixing.base import MixingRule
 from gossip.mixing.choco import parse_gamma
 from gossip.mixing.fragments import FragmentRule, check_fragments
 from gossip.mixing.outer import OuterRule, OuterSpec, check_outer_pairing, parse_outer
-from gossip.mixing.pseudograd import PseudoGradientRule, check_pseudograd
 from gossip.mixing.policy import LINK_CLASSES, LinkPolicy, parse_link_policies
+from gossip.mixing.pseudograd import PseudoGradientRule, check_pseudograd
+from gossip.mixing.rules import ALGORITHMS, make_rule
 from gossip.mixing.staleness import Staleness, parse_staleness
 
 __all__ = ["MixingSettings", "OptionError", "build_rules", "with_mixing_options", "MIXING_OPTIONS", "CLI_FLAGS"]
@@ -116,8 +117,6 @@ class MixingSettings:
     link_policy: tuple[tuple[str, LinkPolicy], ...] = ()
 
     def __post_init__(self) -> None:
-        from gossip.mixing import ALGORITHMS
-
         set_ = functools.partial(object.__setattr__, self)
         if self.algorithm not in ALGORITHMS:
             raise OptionError("algorithm", f"algorithm: unknown algorithm {self.algorithm!r}; valid: {', '.join(ALGORITHMS)}")
@@ -258,17 +257,15 @@ def with_mixing_options(cls: type) -> type:
 def build_rules(settings: MixingSettings, topology: Any = None, *,
                 sender_scale: float | None = None) -> tuple[MixingRule, dict[str, tuple[MixingRule, int]] | None]:
     """A node's mixing rules: ``(rule, None)``, or with link policies ``(first rule,
-    {class: (rule, period)})`` for every link class (what :class:`gossip.node.Node` takes).
+    {class: (rule, period)})`` for every link class (what :class:`gossip.training.node.Node` takes).
 
     The only place settings become rules. ``topology``, when given, is checked now
     (CHOCO needs a static graph, on every link class). ``sender_scale`` makes every
     rule of this node a :class:`~gossip.mixing.adversary.ScaledSender` (a misbehaving
     node of a robustness experiment), on every link class.
     """
-    from topologies import restrict_links
-
-    from gossip.mixing import make_rule
     from gossip.mixing.adversary import ScaledSender
+    from topologies import restrict_links
 
     def one(s: MixingSettings, graph: Any) -> MixingRule:
         if sender_scale is not None:
