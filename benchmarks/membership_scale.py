@@ -45,11 +45,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gossip.protocol.swim import DEAD, Swim, SwimOptions, to_message  # noqa: E402
+from gossip.protocol.timing import Timing  # noqa: E402
 from gossip.transport import wire  # noqa: E402
 from gossip.transport.links import LinkModel, SimNetwork  # noqa: E402
 
-HEARTBEAT = 0.5   # gossip/peer/driver.py PeerConfig.heartbeat
-DEAD_AFTER = 3.0  # gossip/peer/driver.py PeerConfig.dead_after
+HEARTBEAT = Timing.heartbeat   # gossip-node's defaults (gossip/protocol/timing.py)
+DEAD_AFTER = Timing.dead_after
 
 
 def node_id(i: int) -> str:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gossip
-from gossip.peer.driver import resolve_device
+from gossip.training.node import resolve_device
 from gossip.training.tasks import ClassificationTask
 
 SHORT_MIN_ACCURACY = 0.90  # the short form's pass mark on digits (it reaches ~0.99)

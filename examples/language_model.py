@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import gossip
-from gossip.peer.driver import resolve_device
 from gossip.training.data import (
     BatchStream,
     Split,
@@ -38,6 +37,7 @@ from gossip.training.data import (
     parse_split,
     split_indices,
 )
+from gossip.training.node import resolve_device
 from gossip.training.tasks import Task
 
 # The short form must beat the unigram baseline by this factor (it reaches ~0.4x).

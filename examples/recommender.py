@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import gossip
-from gossip.peer.driver import resolve_device
 from gossip.training.data import (
     BatchStream,
     Split,
@@ -41,6 +40,7 @@ from gossip.training.data import (
     split_indices,
 )
 from gossip.training.datasets import Ratings, load_movielens
+from gossip.training.node import resolve_device
 from gossip.training.tasks import Task
 
 # Short-form pass marks: the uncompressed model must beat predicting the training mean

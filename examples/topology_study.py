@@ -27,8 +27,8 @@ from typing import Any, Sequence
 
 import gossip
 import topologies as T
-from gossip.peer.driver import resolve_device
 from gossip.plot import plot_runs, read_metrics
+from gossip.training.node import resolve_device
 
 # (topology spec, mixing rule): one-peer exponential changes every round, which needs push-sum
 STUDY = (

@@ -4,6 +4,29 @@ The same node code runs as a real ZeroMQ peer (``gossip-node``), inside the
 one-laptop discrete-event simulator (``gossip-sim``), and from research
 scripts through :func:`gossip.simulate`. A training loop of your own gossips
 through :class:`gossip.GossipNode`.
+
+The layers, each a folder, each importing only from the ones above it in this
+list (``tests/test_layout.py`` checks it, and that no import runs in a circle):
+
+=================  ===========================================================
+``core``           messages, flat state, buffers, checkpoints, the actions
+                   driven programs yield, settings given flat
+``compression``    codecs
+``mixing``         how to combine: rules, outer optimizers, settings
+``transport``      how bytes move: wire format, ZeroMQ, CurveZMQ, link models,
+                   addresses, ports (never imports ``mixing``, nor it this)
+``training``       the node program, tasks, data, samplers, dataset loaders
+``protocol``       the membership protocol, sans-IO: member table, control plane,
+                   failure detectors, joins, the peer's life, its timings and settings
+``peer``           the wall-clock driver, its reports, launchers, ``GossipNode``
+``sim``            the virtual clock: engines, simulated clusters, faults, the explorer
+``groups``         torch.distributed inside a node (``peer``, ``sim`` and ``groups``
+                   never import each other)
+``integrations``   the frameworks' hooks (Hugging Face, Lightning)
+entry points       ``api`` (:func:`simulate`), ``cli``, ``plot``, ``explore``
+=================  ===========================================================
+
+``topologies`` (graphs and mixing weights) stands alone: networkx and numpy only.
 """
 
 from __future__ import annotations

@@ -13,11 +13,13 @@ import math
 import sys
 from typing import Any, Sequence
 
-from gossip.protocol.detector import DEFAULT_DETECTOR, DETECTORS
+from gossip.protocol.timing import DEFAULT_DETECTOR, DETECTORS, Timing
 
 __all__ = ["sim_main", "build_sim_parser", "node_main", "build_node_parser", "mixing_settings"]
 
 EXIT_USAGE = 2
+
+TIMING = Timing()  # the defaults the flags show
 
 
 def _positive_int(name: str):
@@ -170,7 +172,7 @@ def build_sim_parser() -> argparse.ArgumentParser:
                    help="crash:N@T, join:N@T or partition:A|B@T1-T2 (node groups like 0-3,7; repeatable); a run "
                         "with faults runs every node's real control plane (gossip-node's membership, failure "
                         "detector, joins with a state pull, merges; their log lines with -v)")
-    p.add_argument("--detect", type=float, default=3.0, metavar="SEC",
+    p.add_argument("--detect", type=float, default=TIMING.dead_after, metavar="SEC",
                    help="with --fault: the failure detector's --dead-after, with --heartbeat SEC/4 and --settle "
                         "SEC/4 (default: 3)")
     p.add_argument("--detector", choices=DETECTORS, default=DEFAULT_DETECTOR,
@@ -299,22 +301,22 @@ def build_node_parser() -> argparse.ArgumentParser:
                                                          "node's index in the sorted member list")
     p.add_argument("--world-size", type=int, metavar="W", help="number of data shards (with --rank)")
     p.add_argument("--dc", default="", metavar="NAME", help="datacenter label; links between labels are inter-DC")
-    p.add_argument("--heartbeat", type=_positive_float("--heartbeat"), default=0.5, metavar="SEC",
-                   help="ping interval (default: 0.5)")
-    p.add_argument("--dead-after", type=_positive_float("--dead-after"), default=3.0, metavar="SEC",
-                   help="silence before a member is declared dead (default: 3)")
+    p.add_argument("--heartbeat", type=_positive_float("--heartbeat"), default=TIMING.heartbeat, metavar="SEC",
+                   help="probe interval (default: %(default)s)")
+    p.add_argument("--dead-after", type=_positive_float("--dead-after"), default=TIMING.dead_after, metavar="SEC",
+                   help="silence before a member is declared dead (default: %(default)s)")
     p.add_argument("--detector", choices=DETECTORS, default=DEFAULT_DETECTOR,
                    help="failure detector: heartbeat (every member pings every other each --heartbeat) or swim "
                         "(each pings one member per --heartbeat, with indirect probes; constant traffic per "
                         "node); every member must use the same (default: %(default)s)")
-    p.add_argument("--settle", type=float, default=2.0, metavar="SEC",
-                   help="member set stable this long before a fresh cluster starts (default: 2)")
-    p.add_argument("--join-timeout", type=_positive_float("--join-timeout"), default=60.0, metavar="SEC",
-                   help="wait this long for peers before training alone (default: 60)")
-    p.add_argument("--join-margin", type=_nonneg_int("--join-margin"), default=20, metavar="ROUNDS",
-                   help="rounds between announcing a join and adopting it (default: 20)")
-    p.add_argument("--grace", type=float, default=10.0, metavar="SEC",
-                   help="a finished node keeps serving others this long at most (default: 10)")
+    p.add_argument("--settle", type=float, default=TIMING.settle, metavar="SEC",
+                   help="member set stable this long before a fresh cluster starts (default: %(default)s)")
+    p.add_argument("--join-timeout", type=_positive_float("--join-timeout"), default=TIMING.join_timeout,
+                   metavar="SEC", help="wait this long for peers before training alone (default: %(default)s)")
+    p.add_argument("--join-margin", type=_nonneg_int("--join-margin"), default=TIMING.join_margin, metavar="ROUNDS",
+                   help="rounds between announcing a join and adopting it (default: %(default)s)")
+    p.add_argument("--grace", type=float, default=TIMING.grace, metavar="SEC",
+                   help="a finished node keeps serving others this long at most (default: %(default)s)")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here (atomic files)")
     p.add_argument("--checkpoint-every", type=_nonneg_int("--checkpoint-every"), default=0, metavar="S",
                    help="local steps between checkpoints (default: 0 = only at the end)")
@@ -465,7 +467,8 @@ def node_main(argv: Sequence[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        from gossip.peer.driver import Peer, PeerError
+        from gossip.peer.driver import Peer
+        from gossip.protocol.errors import PeerError
 
         peer = Peer(cfg)
     except ValueError as e:

@@ -10,7 +10,6 @@ import torch
 
 import gossip
 from gossip.api import Simulation
-from gossip.protocol.detector import detection_bound
 from gossip.sim.cluster import node_id
 from gossip.sim.faults import parse_faults
 
@@ -49,11 +48,10 @@ def restarted(detector="heartbeat"):
 
 def late_detection(sim) -> float:
     """How much later than the heartbeat detector the run's detector may find a crash,
-    at worst (gossip.protocol.detector.detection_bound: SWIM's bound is loose, its usual delay a
+    at worst (gossip.protocol.timing.Timing.detection_bound: SWIM's bound is loose, its usual delay a
     few periods more than the heartbeat's)."""
     t, n = sim.timing, sim.config.nodes
-    return detection_bound(sim.config.detector, n, t["heartbeat"], t["dead_after"]) - \
-        detection_bound("heartbeat", n, t["heartbeat"], t["dead_after"])
+    return t.detection_bound(sim.config.detector, n) - t.detection_bound("heartbeat", n)
 
 
 def at(history, t):
@@ -169,18 +167,19 @@ def test_the_real_nodes_train_as_the_fault_free_simulator_does(mixing):
 
 
 def test_detect_sets_the_real_detector_and_bad_combinations_are_refused():
-    from gossip.sim.fault_runs import detector_settings
+    from gossip.protocol.timing import Timing
 
-    t = detector_settings(0.4, 0.01)
-    assert (t["dead_after"], t["heartbeat"], t["settle"], t["grace"]) == (0.4, 0.1, 0.1, 1.0)
-    assert t["join_margin"] == 10 and detector_settings(3.0, 0.01)["join_margin"] == 20
+    t = Timing.from_detect(0.4, 0.01)
+    assert (t.dead_after, t.heartbeat, t.settle, t.grace) == (0.4, 0.1, 0.1, 1.0)
+    assert t.join_margin == 10 and Timing.from_detect(3.0, 0.01).join_margin == 20
     sim = Simulation(nodes=4, steps=10, faults=["crash:1@0.05"], detect=0.4)
     cfg = sim.cluster.procs[0].cfg
     assert (cfg.dead_after, cfg.heartbeat, cfg.rank, cfg.world_size) == (0.4, 0.1, 0, 4)
     import networkx as nx
 
-    from gossip.protocol.detector import DEFAULT_DETECTOR, HeartbeatDetector
+    from gossip.protocol.detector import HeartbeatDetector
     from gossip.protocol.swim_detector import SwimDetector
+    from gossip.protocol.timing import DEFAULT_DETECTOR
 
     assert cfg.detector == DEFAULT_DETECTOR
     for name, kind in (("heartbeat", HeartbeatDetector), ("swim", SwimDetector)):

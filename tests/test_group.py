@@ -418,6 +418,7 @@ def test_rank_0s_control_plane_drops_a_silent_group_and_ends_the_wait_for_it_in_
     """Two groups of one in this process, each with its control plane: b goes silent in the
     middle of a round; a stops waiting once b is declared dead, not at the round's timeout."""
     from gossip.groups.control import GroupControl
+    from gossip.protocol.timing import Timing
 
     for var in TORCHRUN_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -426,8 +427,9 @@ def test_rank_0s_control_plane_drops_a_silent_group_and_ends_the_wait_for_it_in_
     _, va, ma = _member(a, [a, b], torch.zeros(n), timeout=60.0)
     _, vb, mb = _member(b, [a, b], torch.full((n,), 2.0), timeout=60.0)
     dead_after, heartbeat = 0.6, 0.05
-    pa = ma.plane = GroupControl(ma, heartbeat=heartbeat, dead_after=dead_after)
-    mb.plane = GroupControl(mb, heartbeat=heartbeat, dead_after=dead_after)
+    timing = Timing(heartbeat=heartbeat, dead_after=dead_after)
+    pa = ma.plane = GroupControl(ma, timing=timing)
+    mb.plane = GroupControl(mb, timing=timing)
     with ma, mb:
         ma.plane.start()
         mb.plane.start()

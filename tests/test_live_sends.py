@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gossip.core.actions import Release, Send
 from gossip.core.buffers import Pieces
 from gossip.mixing import make_rule
-from gossip.training.node import Node, NodeConfig, Release, Send
+from gossip.training.node import Node, NodeConfig
 from gossip.transport import wire
 from tests.helpers import FrozenTask
 from topologies import Topology, complete

@@ -230,7 +230,7 @@ def test_device_defaults_to_auto_and_auto_takes_local_rank(monkeypatch):
     """The README promises ``--device auto`` by default; the CLI said cpu. ``auto`` is
     cuda:LOCAL_RANK under torchrun when CUDA is present, the CPU otherwise."""
     from gossip.cli import node_config_from_args
-    from gossip.peer.driver import resolve_device
+    from gossip.training.node import resolve_device
 
     cfg, _ = node_config_from_args(["--listen", f"127.0.0.1:{free_port()}"])
     assert cfg.device == "auto"

@@ -53,7 +53,7 @@ def test_killing_two_of_eight_costs_only_their_work():
         assert r["exit"] == "done" and r["steps"] == steps and r["members"] == 6, r
         assert node_id(2) not in r["member_ids"] and node_id(5) not in r["member_ids"]
         # nobody stalled longer than detection (2 s of silence) plus a heartbeat and slack
-        assert r["max_step_gap_s"] < FAST["dead_after"] + 1.5, r
+        assert r["max_step_gap_s"] < FAST["timing"].dead_after + 1.5, r
 
 
 def test_a_late_node_joins_receives_a_state_and_trains():
@@ -335,7 +335,7 @@ def test_drifting_clocks_still_detect_a_crash_and_finish():
         if i != 2:
             assert r["exit"] == "done" and r["steps"] == steps and r["members"] == 4, r
             assert node_id(2) not in r["member_ids"]
-            assert r["max_step_gap_s"] < 1.05 * FAST["dead_after"] + 1.5, r
+            assert r["max_step_gap_s"] < 1.05 * FAST["timing"].dead_after + 1.5, r
 
 
 def test_the_mixing_audit_catches_a_message_filed_under_the_wrong_member():
@@ -366,7 +366,7 @@ def test_the_swim_detector_runs_in_the_simulated_cluster_too():
     for i, r in enumerate(rs):
         if i != 2:
             assert r["exit"] == "done" and r["steps"] == 600 and r["members"] == 5, r
-            assert r["max_step_gap_s"] < FAST["dead_after"] + 1.5, r
+            assert r["max_step_gap_s"] < FAST["timing"].dead_after + 1.5, r
 
 
 @pytest.mark.parametrize("seed", [

@@ -28,6 +28,7 @@ from gossip.protocol.swim import (
     to_message,
 )
 from gossip.transport import wire
+from tests.helpers import tick
 
 TICK = 0.1  # the control plane's tick
 
@@ -511,14 +512,14 @@ def test_malformed_swim_frames_reaching_a_control_plane_are_counted_and_change_n
     m = Membership(me, 1000, "fp")
     sent: list = []
     cp = ControlPlane(me, 1000, "fp", "", m, threading.RLock(), lambda d, msg: sent.append((d, msg)),
-                      lambda msg: None, lambda: ("waiting", 0, 0), heartbeat=0.5, detector="swim")
+                      lambda msg: None, lambda: ("waiting", 0, 0), timing=m.timing, detector="swim")
 
     def frames(sender: str, x: dict, **header) -> list:
         return wire.encode(Message("swim", sender, 0, 0, 0, None, header.get("w"), x, "fp"))
 
     good = {"op": "ping", "inc": 2000, "seq": 1, "life": 2000, "status": "waiting"}
     cp.on_frames(peer.encode(), frames(peer, good))
-    cp.tick(1.0)
+    tick(cp, 1.0)
     assert set(m.members) == {me, peer} and cp.rejected == Counter() and sent, sent
     state = (dict((k, (v.incarnation, v.status)) for k, v in m.members.items()), cp.detector.state(peer))
     bad_values = {

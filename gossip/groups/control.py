@@ -52,8 +52,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from gossip.core.message import Message
 from gossip.groups.group import Decision, rank_address
-from gossip.protocol.detector import make_detector
+from gossip.protocol.detector import HeartbeatDetector
 from gossip.protocol.membership import Membership, stronger
+from gossip.protocol.timing import Timing
 from gossip.transport import wire
 
 if TYPE_CHECKING:
@@ -85,21 +86,19 @@ class GroupControl:
         ``handover``), e.g. to trace it; called with the lock held, so keep it short
     """
 
-    def __init__(self, member: "GroupMember", *, heartbeat: float = 0.5, dead_after: float = 3.0,
+    def __init__(self, member: "GroupMember", *, timing: Timing = Timing(),
                  incarnation: int | None = None, on_event: Callable[[str, dict], None] | None = None) -> None:
         if member.rank != 0:
             raise ValueError("only rank 0 of a group runs its control plane")
-        if not heartbeat > 0 or not dead_after > heartbeat:
-            raise ValueError(f"need 0 < heartbeat < dead_after, got heartbeat={heartbeat} dead_after={dead_after}")
         self.member = member
         self.group_id = member.group_id
-        self.heartbeat = float(heartbeat)
-        self.dead_after = float(dead_after)
+        self.timing = timing
+        self.heartbeat = timing.heartbeat
+        self.dead_after = timing.dead_after
         self.incarnation = new_incarnation() if incarnation is None else int(incarnation)
         self.lock = threading.RLock()
-        self.membership = Membership(self.group_id, self.incarnation, member.view.fingerprint,
-                                     dead_after=self.dead_after)
-        self.detector = make_detector("heartbeat", self.membership, self.heartbeat)
+        self.membership = Membership(self.group_id, self.incarnation, member.view.fingerprint, timing=timing)
+        self.detector = HeartbeatDetector(self.membership, timing, self._ping)
         self.status = "waiting"
         self.active: dict[str, int] = {}  # the groups this one mixes with -> the life that trains
         self.requests: dict[str, int] = {}  # joiners asking for a handover -> their life
@@ -235,12 +234,15 @@ class GroupControl:
                 self._drop(g, f"silent for more than {self.dead_after:g} s")
                 if life is not None:
                     self.dropped_lives[g] = life
-            probes = [g for g, kind in verdicts.probes if kind == "ping"]
-            node = self.member.node
-            rnd = node.round if node is not None else 0
-            x = {"group": self.group_id, "inc": self.incarnation, "status": self.status}
-        for g in probes:
-            self._send(g, Message("ping", self.group_id, rnd, 0, 0, extra=x))
+        for g, msg in verdicts.sends:
+            self._send(g, msg)
+
+    def _ping(self, kind: str, fields: dict) -> Message:
+        """The detector's probe, framed as this group's (call with the lock held)."""
+        node = self.member.node
+        rnd = node.round if node is not None else 0
+        x = {"group": self.group_id, "inc": self.incarnation, "status": self.status, **fields}
+        return Message(kind, self.group_id, rnd, 0, 0, extra=x)
 
     # -- the group's decision ---------------------------------------------------------------------
     def decide(self, rnd: int) -> Decision:

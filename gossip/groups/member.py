@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gossip.compression import get_codec
+from gossip.core.actions import Release, Send, Wait
 from gossip.core.message import Message
 from gossip.core.state import sha256_of
 from gossip.groups.group import (
@@ -52,7 +53,7 @@ from gossip.mixing import MixReport
 from gossip.mixing.base import all_finite, decode_payload
 from gossip.mixing.settings import MixingSettings, build_rules
 from gossip.protocol.membership import topology_for
-from gossip.training.node import Node, NodeConfig, Release, Send, Wait
+from gossip.training.node import Node, NodeConfig
 from gossip.transport import wire
 from gossip.transport.links import UNSHAPED, LinkModel, SimNetwork, parse_link
 from gossip.transport.zmq import ZmqTransport

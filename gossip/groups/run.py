@@ -42,6 +42,7 @@ from gossip.groups.control import GroupControl
 from gossip.groups.group import INTRA, GroupError, start_group
 from gossip.groups.member import GroupMember
 from gossip.mixing.settings import MixingSettings
+from gossip.protocol.timing import Timing
 from gossip.training.node import init_model
 from gossip.training.tasks import get_task
 
@@ -63,10 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30.0, help="synchronous round timeout, seconds")
     p.add_argument("--connect-timeout", type=float, default=60.0, help="how long to wait for the other groups")
-    p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between rank 0's pings to other groups")
-    p.add_argument("--dead-after", type=float, default=3.0,
+    p.add_argument("--heartbeat", type=float, default=Timing.heartbeat,
+                   help="seconds between rank 0's pings to other groups")
+    p.add_argument("--dead-after", type=float, default=Timing.dead_after,
                    help="a group whose rank 0 is silent this long is dropped (detection: dead-after + heartbeat)")
-    p.add_argument("--join-timeout", type=float, default=60.0,
+    p.add_argument("--join-timeout", type=float, default=Timing.join_timeout,
                    help="how long a joining group waits for its donor's shards")
     p.add_argument("--stop-file", default=None, help="once this file exists, rank 0 ends the run at the next round")
     p.add_argument("--trace", action="store_true", help="one JSON line per event on stderr ('trace {...}')")
@@ -84,8 +86,10 @@ def run(args: argparse.Namespace) -> dict:
     groups = tuple(g.strip() for g in args.groups.split(",") if g.strip())
     if args.group not in groups:
         raise GroupError(f"--group {args.group} is not in --groups {args.groups}")
-    if not 0 < args.heartbeat < args.dead_after:
-        raise GroupError(f"need 0 < --heartbeat < --dead-after, got {args.heartbeat:g} and {args.dead_after:g}")
+    try:
+        timing = Timing(heartbeat=args.heartbeat, dead_after=args.dead_after, join_timeout=args.join_timeout)
+    except ValueError as e:
+        raise GroupError(str(e)) from None
     mixing = MixingSettings(compression=args.compression, period=args.period, overlap=args.overlap)
     group = start_group(args.intra, args.device)
     try:
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> dict:
 
         plane = None
         if group.rank == 0:
-            plane = member.plane = GroupControl(member, heartbeat=args.heartbeat, dead_after=args.dead_after,
+            plane = member.plane = GroupControl(member, timing=timing,
                                                 on_event=lambda kind, e: trace(kind, {k: v for k, v in e.items()
                                                                                       if k != "event"}))
         with member:

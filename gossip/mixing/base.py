@@ -123,6 +123,8 @@ class MixingRule:
     # set by the node for each round: ``x`` stays unchanged until the transport has sent
     # it, so a codec that views its input may encode ``x`` itself (no snapshot)
     sends_live = False
+    weight: float | None = None  # push-sum's mass (None: a rule without one)
+    clipped = 0  # neighbour differences clipped so far (robust gossip)
 
     def __init__(self, codec: Codec | str = "none") -> None:
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
@@ -181,6 +183,23 @@ class MixingRule:
         """Member list changed (join, death): indices now refer to ``new``. Rules
         keeping per-neighbour state re-key or reset it here."""
         self._round_key = None
+
+    def payload_numel(self, rnd: int, numel: int) -> int:
+        """Elements a state message of round ``rnd`` carries, for a model of ``numel``
+        (the node checks arriving ones against it); a fragment rule sends one part."""
+        return numel
+
+    def neighbor_models(self) -> dict[int, torch.Tensor] | None:
+        """The models this rule keeps of its neighbours (CHOCO's public copies), by
+        index; None when it keeps none (the node then reads the last messages)."""
+        return None
+
+    def outer_state(self) -> dict[str, Any] | None:
+        """The outer optimizer state a joiner takes with the parameters (None: no outer optimizer)."""
+        return None
+
+    def load_outer_state(self, state: dict[str, Any]) -> None:
+        """Take a member's :meth:`outer_state` (after the parameters were adopted)."""
 
     # Rules with state of their own (push-sum weight, CHOCO copies) persist it in checkpoints.
     def state_dict(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from gossip.compression import Codec, get_codec
+from gossip.core.options import flat_options
 from gossip.mixing.base import MixingRule
 from gossip.mixing.choco import parse_gamma
 from gossip.mixing.fragments import FragmentRule, check_fragments
@@ -222,36 +223,29 @@ def settings_from(base: MixingSettings | None, flat: Mapping[str, Any]) -> Mixin
     return base.replace(**flat)
 
 
-def with_mixing_options(cls: type) -> type:
-    """Class decorator for a dataclass with a ``mixing: MixingSettings`` field.
+def _older_options(kwargs: dict[str, Any], flat: dict[str, Any]) -> None:
+    """The older form ``options={"gamma": 0.5, "clip": 1.0}``, merged under the flat keywords."""
+    if "options" not in kwargs:
+        return
+    extra = dict(kwargs.pop("options") or {})
+    unknown = sorted(set(extra) - set(MIXING_OPTIONS))
+    if unknown:
+        raise OptionError("options", f"options: unknown mixing option(s) {', '.join(map(repr, unknown))}; "
+                                     f"valid: {', '.join(MIXING_OPTIONS)}")
+    for k, v in extra.items():
+        flat.setdefault(k, v)
 
-    Its constructor also takes the options of :class:`MixingSettings` as flat
-    keywords (``SimConfig(period=4, compression="int8")``), applied over
-    ``mixing=`` (or the defaults) at construction, so the object only ever holds
-    one settings object; the flat names read back from it (``cfg.period``).
-    ``dataclasses.replace(cfg, period=8)`` works the same way.
-    """
-    generated = cls.__init__
-    names = {f.name for f in dataclasses.fields(cls)}
 
-    @functools.wraps(generated)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        flat = {k: kwargs.pop(k) for k in MIXING_OPTIONS if k in kwargs}
-        if "options" in kwargs and "options" not in names:  # the older form: options={"gamma": 0.5, "clip": 1.0}
-            extra = dict(kwargs.pop("options") or {})
-            unknown = sorted(set(extra) - set(MIXING_OPTIONS))
-            if unknown:
-                raise OptionError("options", f"options: unknown mixing option(s) {', '.join(map(repr, unknown))}; "
-                                             f"valid: {', '.join(MIXING_OPTIONS)}")
-            flat = {**extra, **flat}
-        kwargs["mixing"] = settings_from(kwargs.get("mixing"), flat)
-        generated(self, *args, **kwargs)
+with_mixing_options = flat_options("mixing", MIXING_OPTIONS, settings_from, before=_older_options)
+"""Class decorator for a dataclass with a ``mixing: MixingSettings`` field.
 
-    cls.__init__ = __init__  # type: ignore[misc]
-    for name in MIXING_OPTIONS:
-        setattr(cls, name, property(lambda self, _n=name: getattr(self.mixing, _n),
-                                    doc=f"``mixing.{name}`` (see :class:`MixingSettings`)"))
-    return cls
+Its constructor also takes the options of :class:`MixingSettings` as flat
+keywords (``SimConfig(period=4, compression="int8")``), applied over
+``mixing=`` (or the defaults) at construction, so the object only ever holds
+one settings object; the flat names read back from it (``cfg.period``).
+``dataclasses.replace(cfg, period=8)`` works the same way (see
+:func:`gossip.core.options.flat_options`).
+"""
 
 
 def build_rules(settings: MixingSettings, topology: Any = None, *,

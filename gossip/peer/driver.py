@@ -32,19 +32,13 @@ from typing import Any
 
 import torch
 
+from gossip.core.actions import Compute, Poll, Release, Send
 from gossip.core.message import Message
 from gossip.core.state import FlatState, fingerprint_of
 from gossip.peer.report import Reporter
 from gossip.protocol.config import PeerConfig
-from gossip.protocol.lifecycle import Lifecycle, PeerError, Poll
-from gossip.training.node import (
-    Compute,
-    Node,
-    Release,
-    Send,
-    init_model,
-    resolve_device,
-)
+from gossip.protocol.lifecycle import Lifecycle
+from gossip.training.node import Node, init_model, resolve_device
 from gossip.training.tasks import get_task
 from gossip.transport import wire
 from gossip.transport.addresses import parse_address
@@ -52,7 +46,7 @@ from gossip.transport.links import SimNetwork, emulated_links
 from gossip.transport.security import load_curve
 from gossip.transport.zmq import ZmqTransport
 
-__all__ = ["Peer", "PeerError", "resolve_device"]
+__all__ = ["Peer"]
 
 log = logging.getLogger("gossip.peer")
 
@@ -122,7 +116,7 @@ class Peer:
         # CurveZMQ: a bad key directory is a ValueError naming what is wrong (gossip-node exits 2)
         self.security = load_curve(config.curve_keys, self.id) if config.curve_keys else None
         self.transport = ZmqTransport(self.id, listen, on_frames=self.control.on_frames, on_tick=self._tick,
-                                      tick=min(0.1, config.heartbeat / 2), max_message_size=int(cap),
+                                      tick=config.timing.tick, max_message_size=int(cap),
                                       shaper=self.shaper, curve=self.security)
         self.life.live_sends = self.transport.holds_sends
         self.report = Reporter(self.life, self.transport, security=self.security, shaper=self.shaper)
@@ -204,8 +198,9 @@ class Peer:
         self.life.on_excluded(rnd, by, cluster, merge)
 
     def _tick(self, now: float) -> None:
-        dead = self.control.tick(now)
-        for d in dead:
+        fx = self.control.tick(now)
+        self.control.apply(fx)
+        for d in fx.dead:
             self.transport.forget(d)
 
     def _link_class(self, u: str, v: str) -> str:
@@ -272,7 +267,7 @@ class Peer:
     def close(self) -> None:
         """Say goodbye and release the sockets (idempotent)."""
         if self.transport._thread is not None:
-            self.control.goodbye("done" if not self.interrupted else "stopped")
+            self.control.apply(self.control.goodbye("done" if not self.interrupted else "stopped"))
             time.sleep(0.05)  # let the I/O thread flush the goodbye
             self.transport.close()
         self.report.close()

@@ -12,6 +12,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from gossip.protocol.lifecycle import Lifecycle
+from gossip.transport.zmq import ZmqTransport
+
 __all__ = ["Reporter"]
 
 
@@ -29,7 +32,7 @@ class Reporter:
     its CurveZMQ policy and link emulator, if any.
     """
 
-    def __init__(self, life: Any, transport: Any, *, security: Any = None, shaper: Any = None) -> None:
+    def __init__(self, life: Lifecycle, transport: ZmqTransport, *, security: Any = None, shaper: Any = None) -> None:
         self.life, self.transport, self.security, self.shaper = life, transport, security, shaper
         self.metrics: Any = None
         self.last_eval = 0

@@ -32,8 +32,9 @@ from gossip.core.checkpoint import latest_checkpoint, load_checkpoint, save_chec
 from gossip.core.message import Message
 from gossip.mixing.base import decode_payload
 from gossip.mixing.settings import MixingSettings
-from gossip.peer.driver import Peer, PeerError
+from gossip.peer.driver import Peer
 from gossip.protocol.config import PeerConfig
+from gossip.protocol.errors import PeerError
 from gossip.training.sampler import ShardSampler, sampler_of, shard
 from gossip.training.sampler import steps_per_epoch as _steps_per_epoch
 
@@ -327,7 +328,7 @@ class GossipNode:
                 peer._send_message(m, msg)
         got = self._averages.setdefault((op, call), {})
         got[peer.id] = values
-        deadline = time.monotonic() + max(peer.cfg.join_timeout, peer.cfg.timeout)
+        deadline = time.monotonic() + max(peer.cfg.timing.join_timeout, peer.cfg.timeout)
         while True:
             with peer.lock:
                 alive = set(peer.membership.members)
@@ -404,7 +405,7 @@ class GossipNode:
         peer.status, peer.serving = "done", True
         # said now, not at the next ping: it reaches each member before this node's next round does,
         # so a member whose data ends later knows that nobody needs it to serve
-        peer.control.broadcast(peer.control._members_message())
+        peer.control.apply(peer.control.announce_members())
         step, served = node.step, 0
         try:
             while not peer.stop.is_set() and peer._excluded is None:

@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from gossip.mixing.settings import MixingSettings, build_rules, with_mixing_options
-from gossip.protocol.detector import DEFAULT_DETECTOR, DETECTORS
+from gossip.protocol.timing import (
+    DEFAULT_DETECTOR,
+    DETECTORS,
+    Timing,
+    with_timing_options,
+)
 from gossip.transport.addresses import parse_address
 from gossip.transport.links import emulated_links
 
@@ -16,6 +21,7 @@ __all__ = ["PeerConfig"]
 
 
 @with_mixing_options
+@with_timing_options
 @dataclass(frozen=True)
 class PeerConfig:
     """Everything a real node needs; :mod:`gossip.cli` fills it from flags or a TOML file."""
@@ -37,12 +43,9 @@ class PeerConfig:
     device: str = "auto"
     dc: str = ""                         # datacenter label (links between different labels are "inter")
     timeout: float = 5.0                 # synchronous round timeout (s)
-    heartbeat: float = 0.5               # ping interval (s)
-    dead_after: float = 3.0              # silence before a member is declared dead (s)
-    settle: float = 2.0                  # member set stable this long before a fresh start (s)
-    join_timeout: float = 60.0           # give up waiting for peers after this long (s)
-    join_margin: int = 20                # rounds between announcing a join and adopting it
-    grace: float = 10.0                  # how long a finished node keeps serving (s)
+    # the protocol's timings: one Timing (heartbeat, dead_after, settle, grace, join_timeout,
+    # join_margin, leave_margin), also accepted as flat keywords and read back flat (cfg.dead_after)
+    timing: Timing | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0            # local steps between checkpoints (0: only at the end)
     resume: bool = False
@@ -60,18 +63,15 @@ class PeerConfig:
             parse_address(self.advertise, "--advertise")
         for p in self.peers:
             parse_address(p, "--peers entry")
-        for name in ("steps", "checkpoint_every", "eval_every", "join_margin"):
+        for name in ("steps", "checkpoint_every", "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-        for name in ("timeout", "heartbeat", "dead_after", "join_timeout"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
-        for name in ("settle", "grace", "max_message_mb"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
-                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0 and math.isfinite(self.timeout)):
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if not (isinstance(self.max_message_mb, (int, float)) and self.max_message_mb >= 0
+                and math.isfinite(self.max_message_mb)):
+            raise ValueError(f"max_message_mb must be a number >= 0, got {self.max_message_mb!r}")
         if (self.rank is None) != (self.world_size is None):
             raise ValueError("--rank and --world-size go together")
         if self.world_size is not None:

@@ -24,15 +24,18 @@ import logging
 import math
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from gossip.core.message import Message
-from gossip.protocol.detector import FailureDetector, make_detector
+from gossip.protocol.detector import FailureDetector, Frame, HeartbeatDetector
+from gossip.protocol.effects import Effects
 from gossip.protocol.membership import Membership, cluster_after, stronger
+from gossip.protocol.swim_detector import SwimDetector
+from gossip.protocol.timing import DEFAULT_DETECTOR, DETECTORS, Timing
 from gossip.transport import wire
 
-__all__ = ["ControlPlane", "ControlFields", "Effects", "parse_control"]
+__all__ = ["ControlPlane", "ControlFields", "Effects", "parse_control", "make_detector"]
 
 log = logging.getLogger("gossip.control")
 
@@ -119,18 +122,6 @@ def parse_control(msg: Message) -> ControlFields:
                          jincs, lincs, digest if isinstance(digest, str) else None, x.get("reason"))
 
 
-@dataclass
-class Effects:
-    """What handling one control message decided, for the shell to carry out."""
-
-    sends: list[tuple[str, Message]] = field(default_factory=list)
-    broadcasts: list[Message] = field(default_factory=list)  # to every other member
-    reconnect: list[str] = field(default_factory=list)  # members that came back: open fresh connections
-    # this node, alive and training, must join another cluster as a new life:
-    # (round, by, that cluster's members, merge), see ``excluded`` in ControlPlane
-    verdict: tuple[int, str, set[str], bool] | None = None
-
-
 class ControlPlane:
     """Membership protocol of one peer (I/O thread side).
 
@@ -141,7 +132,7 @@ class ControlPlane:
     send : ``send(dst_id, Message)`` through the transport
     to_node : hands node-thread messages (state, state requests and replies) over
     progress : returns this node's (status, round, step)
-    heartbeat : seconds between pings
+    timing : the protocol's timings (:class:`~gossip.protocol.timing.Timing`)
     seeds : ``HOST:PORT`` ids to contact until they answer
     reconnect : ``reconnect(peer)`` when a member came back: open a fresh connection
     excluded : ``excluded(round, by, cluster, merge)`` when this node, alive and
@@ -162,7 +153,7 @@ class ControlPlane:
 
     def __init__(self, node_id: str, incarnation: int, fingerprint: str, dc: str, membership: Membership,
                  lock: threading.RLock, send: Callable[[str, Message], None], to_node: Callable[[Message], None],
-                 progress: Callable[[], tuple[str, int, int]], *, heartbeat: float = 0.5,
+                 progress: Callable[[], tuple[str, int, int]], *, timing: Timing,
                  seeds: tuple[str, ...] = (), reconnect: Callable[[str], None] | None = None,
                  excluded: Callable[[int, str], None] | None = None,
                  clock: Callable[[], float] | None = None, detector: FailureDetector | str | None = None) -> None:
@@ -172,10 +163,10 @@ class ControlPlane:
         self.send = send
         self.to_node = to_node
         self.progress = progress
-        self.heartbeat = heartbeat
+        self.timing = timing
         self.reconnect = reconnect
         self.excluded = excluded
-        self.seeds = {s: [0.0, heartbeat] for s in seeds if s != node_id}  # id -> [next try, backoff]
+        self.seeds = {s: [0.0, timing.heartbeat] for s in seeds if s != node_id}  # id -> [next try, backoff]
         self.probes: dict[str, list[float]] = {}  # member declared dead -> [next hello, backoff]
         # training members whose lists drop us: who -> (its cluster, our leave round), since when
         # (the evidence of one life: a new life starts without it, see new_life)
@@ -193,7 +184,8 @@ class ControlPlane:
         self.now = 0.0
         self.clock = clock
         # who is alive: told of every message, asked every tick (see gossip.protocol.detector)
-        self.detector: FailureDetector = make_detector(detector, membership, heartbeat)
+        self._digest = ""  # the member digest the detector's messages carry (set before each call to it)
+        self.detector: FailureDetector = make_detector(detector, membership, timing, self._frame)
 
     # -- helpers ---------------------------------------------------------------------------
     def reject(self, peer: str, reason: str, detail: str = "", *, count: bool = True) -> None:
@@ -240,6 +232,10 @@ class ControlPlane:
                          lincs=[life(j, 0) for j, _ in leaves])
         return self._message(kind, **x)
 
+    def _frame(self, kind: str, fields: dict) -> Message:
+        """A detector's message of ``kind``, framed as this node's (see gossip.protocol.detector)."""
+        return self._message(kind, digest=self._digest, **fields)
+
     def _note_round(self) -> None:
         """This node's round into its own record of the member table (call with ``lock``
         held). Leave and join rounds are announced past the furthest round a member
@@ -248,20 +244,18 @@ class ControlPlane:
         be for a round its cluster has passed."""
         self.m.members[self.id].round = self.progress()[1]
 
-    def broadcast(self, msg: Message) -> None:
-        with self.lock:
-            others = self.m.others()
-        for peer in others:
-            self.send(peer, msg)
-
-    def announce_status(self) -> None:
+    def announce_status(self) -> Effects:
         """A ping to every member now, with this node's status (it just changed). With
         SWIM a member hears another only when a probe meets it, once per pass of the
         probe order (n - 1 periods): a finished node would wait that long to learn that
         all the others finished too."""
         with self.lock:
             digest = self.m.digest()
-        self.broadcast(self._message("ping", digest=digest))
+        return Effects(broadcasts=[self._message("ping", digest=digest)])
+
+    def announce_members(self) -> Effects:
+        """This node's member list (and schedule) to every member now."""
+        return Effects(broadcasts=[self._members_message()])
 
     # -- incoming --------------------------------------------------------------------------
     def on_frames(self, ident: bytes, frames: list) -> None:
@@ -301,7 +295,8 @@ class ControlPlane:
         self.apply(effects)
 
     def apply(self, fx: Effects) -> None:
-        """Carry out what handling a message decided."""
+        """Carry out what a message, a tick or a command decided (the shell: the only
+        place, with :meth:`on_frames`, where the control plane reaches the transport)."""
         if fx.verdict is not None and self.excluded is not None:
             self.excluded(*fx.verdict)
         for mid in fx.reconnect if self.reconnect is not None else ():
@@ -309,8 +304,12 @@ class ControlPlane:
             self.reconnect(mid)
         for dst, msg in fx.sends:
             self.send(dst, msg)
-        for msg in fx.broadcasts:
-            self.broadcast(msg)
+        if fx.broadcasts:
+            with self.lock:
+                others = self.m.others()
+            for msg in fx.broadcasts:
+                for peer in others:
+                    self.send(peer, msg)
 
     def handle(self, msg: Message, now: float) -> Effects:
         """One control message (hello, members, ping, pong, bye, swim) from ``msg.sender`` at
@@ -351,18 +350,13 @@ class ControlPlane:
         """A failure detector's own message (SWIM): every field checked first, read as
         a ping of the sender's life (status, round, member digest), then handed to
         the detector, whose replies go back framed as this node's messages."""
-        receive = getattr(self.detector, "receive", None)
-        if receive is None:
-            raise ValueError("kind (this node's failure detector takes no swim messages)")
-        fx = self.handle(self.detector.control_view(msg), now)  # type: ignore[attr-defined]
+        fx = self.handle(self.detector.control_view(msg), now)  # ValueError: not the detector's kind
         with self.lock:
             member = self.m.members.get(msg.sender)
             if msg.fingerprint != self.fingerprint or member is None or member.incarnation > msg.extra["life"]:
                 return fx  # refused as a ping, or from an older life
-            verdicts = receive(msg, now)
-            digest = self.m.digest()
-        fx.sends += [(dst, self._message(kind, digest=digest, **fields)) for dst, kind, fields in verdicts.sends]
-        return fx
+            self._digest = self.m.digest()
+            return fx.add(self.detector.receive(msg, now))
 
     def _on_bye(self, peer: str, f: ControlFields, now: float) -> None:
         with self.lock:
@@ -441,7 +435,7 @@ class ControlPlane:
             # a new life of a member we train with: its old life sends no more. It leaves
             # at an announced round (its new life joins when it says hello to someone,
             # maybe in another cluster, see foreign above)
-            self.m.announce_leave(peer, self.m.max_round() + self.m.leave_margin, ended)
+            self.m.announce_leave(peer, self.m.max_round() + self.timing.leave_margin, ended)
         if msg.kind != "hello":
             return new_member, False
         active = self.m.counts(peer, inc)
@@ -451,7 +445,7 @@ class ControlPlane:
                 and not other:
             # a node joins a running cluster (a new one, or a new life of a member):
             # everyone adopts it from the same future round, after its old life left
-            eff = max(max(my_round, self.m.max_round()) + self.m.join_margin, self.m.leaves.get(peer, 0))
+            eff = max(max(my_round, self.m.max_round()) + self.timing.join_margin, self.m.leaves.get(peer, 0))
             self.m.announce_join(peer, eff, inc)
             log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
             new_member = True
@@ -491,15 +485,18 @@ class ControlPlane:
             # lately ourselves (one false suspicion must not evict a live member), or
             # when the same list schedules its new life (a restart, not a suspicion),
             # or when we join the sender's cluster (we take its lists as they are)
-            if member is None or now - member.last_seen > self.m.dead_after / 2 or j in rejoining \
+            if member is None or now - member.last_seen > self.timing.dead_after / 2 or j in rejoining \
                     or peer in self.m.target or (li and member.incarnation > li):
                 self.m.announce_leave(j, r, li or None)
 
     # -- timers ----------------------------------------------------------------------------
-    def tick(self, now: float) -> list[str]:
-        """Heartbeats, seed retries and the failure detector; returns newly dead ids."""
+    def tick(self, now: float) -> Effects:
+        """Heartbeats, seed retries and the failure detector: what to send now, the members
+        just declared dead (``dead``), and any verdict on this node."""
         self.now = now
+        fx = Effects()
         with self.lock:
+            self._digest = self.m.digest()
             verdicts = self.detector.tick(now)
         if verdicts.stalled:
             # this process did not run (suspended, swapped out): the detector did not count
@@ -515,17 +512,16 @@ class ControlPlane:
             log.info("%s: member %s is alive again", self.id, mid)
         for seed, state in list(self.seeds.items()):
             if now >= state[0]:
-                if state[1] > self.heartbeat:
+                if state[1] > self.timing.heartbeat:
                     log.warning("%s: peer %s does not answer; retrying in %.1f s", self.id, seed, state[1])
-                self.send(seed, self._members_message("hello"))
+                fx.sends.append((seed, self._members_message("hello")))
                 state[0] = now + state[1]
                 state[1] = min(state[1] * 2, BACKOFF_MAX)  # exponential backoff, capped
-        dead: list[str] = []
         with self.lock:
             self._note_round()
             for mid in verdicts.dead:
-                if self.m.remove(mid, f"silent for more than {self.m.dead_after:g} s"):
-                    dead.append(mid)
+                if self.m.remove(mid, f"silent for more than {self.timing.dead_after:g} s"):
+                    fx.dead.append(mid)
             for mid in verdicts.left:  # as its goodbye would have (see _on_bye)
                 if self.m.remove(mid, "left (another member heard its goodbye)", departed=True, now=now):
                     self.last_change = now
@@ -534,25 +530,28 @@ class ControlPlane:
         if confirmed:
             log.warning("%s: members it found dead before it trained are still silent; their leaves are "
                         "announced: %s", self.id, ", ".join(confirmed))
-        if dead or confirmed:
+        if fx.dead or confirmed:
             self.last_change = now
-            self.broadcast(self._members_message())  # the leave rounds, so all adopt them together
-        if verdicts.probes:
-            ping = self._message("ping", digest=digest)
-            for dst, kind in verdicts.probes:
-                self.send(dst, ping if kind == "ping" else self._message(kind, digest=digest))
-        for dst, kind, fields in verdicts.sends:  # the detector's own messages (SWIM's)
-            self.send(dst, self._message(kind, digest=digest, **fields))
-        if now - self.last_ping >= self.heartbeat:
+            self._to_all(fx, self._members_message())  # the leave rounds, so all adopt them together
+        for _, msg in verdicts.sends:  # the detector's messages carry the digest after the removals
+            msg.extra["digest"] = digest
+        fx.sends += verdicts.sends
+        if now - self.last_ping >= self.timing.heartbeat:
             self.last_ping = now
             with self.lock:
                 lost = [d for d in self.m.dead if d not in self.m.members][-MAX_PROBED:]
-            self._probe(now, lost)
-        if self.excluded_by and now - self.excluded_since >= 1.5 * self.m.dead_after:
-            self._judge_exclusion(now)
-        return dead
+            self._probe(now, lost, fx)
+        if self.excluded_by and now - self.excluded_since >= 1.5 * self.timing.dead_after:
+            self._judge_exclusion(now, fx)
+        return fx
 
-    def _judge_exclusion(self, now: float) -> None:
+    def _to_all(self, fx: Effects, msg: Message) -> None:
+        """``msg`` to every other member as the table stands now."""
+        with self.lock:
+            others = self.m.others()
+        fx.sends += [(peer, msg) for peer in others]
+
+    def _judge_exclusion(self, now: float, fx: Effects) -> None:
         """Training members' lists dropped this node ``1.5 * dead_after`` ago: the
         cluster declared it dead while it was alive (silent for too long, e.g. a
         paused process). It joins again as a new life if that still holds now for
@@ -573,59 +572,65 @@ class ControlPlane:
         evidence, self.excluded_by = self.excluded_by, {}
         with self.lock:
             ours = self.m.eventual() - {self.id}
-            alive = {k for k, m in self.m.members.items() if now - m.last_seen <= self.m.dead_after}
+            alive = {k for k, m in self.m.members.items() if now - m.last_seen <= self.timing.dead_after}
         for by, (theirs, rnd) in sorted(evidence.items()):
             if by in alive and by in ours and ours <= theirs:
-                if self.progress()[0] == "training" and self.excluded is not None:
-                    self.excluded(rnd, by, theirs, False)
+                if self.progress()[0] == "training":
+                    fx.verdict = (rnd, by, theirs, False)
                 return
         if self.progress()[0] != "training":
             return
         for by, (theirs, _) in sorted(evidence.items()):
             if by in alive and by in ours:
-                self.drop(by, f"its member lists drop this node and {', '.join(sorted(ours - theirs))}, "
-                              "which the others train with")
+                self._drop(by, f"its member lists drop this node and {', '.join(sorted(ours - theirs))}, "
+                               "which the others train with", fx)
 
-    def _probe(self, now: float, lost: list[str]) -> None:
+    def _probe(self, now: float, lost: list[str], fx: Effects) -> None:
         """Say hello now and then (backing off) to members declared dead for their
         silence. A crashed one never answers; one behind a partition that healed
         answers, and the two clusters meet again (see ``foreign`` in _control)."""
         probes = {}
         for mid in lost:
-            state = self.probes.get(mid) or [now + self.m.dead_after, self.m.dead_after]
+            state = self.probes.get(mid) or [now + self.timing.dead_after, self.timing.dead_after]
             if now >= state[0]:
-                self.send(mid, self._members_message("hello"))
+                fx.sends.append((mid, self._members_message("hello")))
                 state[0] = now + state[1]
                 state[1] = min(state[1] * 2, BACKOFF_MAX)
             probes[mid] = state
         self.probes = probes
 
-    def drop(self, mid: str, reason: str) -> None:
+    def drop(self, mid: str, reason: str) -> Effects:
         """Remove a live member as if it had died (e.g. it trains out of step with this
         cluster) and tell everyone its leave round. It hears of it from the lists and
         joins again as a new life, see ``excluded``."""
+        fx = Effects()
+        self._drop(mid, reason, fx)
+        return fx
+
+    def _drop(self, mid: str, reason: str, fx: Effects) -> None:
         with self.lock:
             self._note_round()
             if not self.m.remove(mid, reason):
                 return
             self.last_change = self.now
-        self.broadcast(self._members_message())
-        self.send(mid, self._members_message())
+        members = self._members_message()
+        self._to_all(fx, members)
+        fx.sends.append((mid, members))
 
     def new_life(self, incarnation: int) -> None:
         """This node starts a new life (call with ``lock`` held, with the membership's
         new_life): what the lists said of its previous life is no evidence about it."""
         self.incarnation = incarnation
         self.excluded_by = {}
-        if hasattr(self.detector, "new_life"):
-            self.detector.new_life(incarnation)  # each life's detector starts afresh
+        self.detector.new_life(incarnation)  # each life's detector starts afresh
 
-    def hello_all(self, peers: list[str]) -> None:
-        for p in peers:
-            self.send(p, self._members_message("hello"))
+    def hello_all(self, peers: list[str]) -> Effects:
+        """A hello (with this node's member list) to each of ``peers``."""
+        return Effects(sends=[(p, self._members_message("hello")) for p in peers])
 
-    def goodbye(self, reason: str) -> None:
-        self.broadcast(self._message("bye", reason=reason))
+    def goodbye(self, reason: str) -> Effects:
+        """A goodbye to every member: nobody waits for this node's silence."""
+        return Effects(broadcasts=[self._message("bye", reason=reason)])
 
     def settled(self, now: float, settle: float, *, seeds: bool = True) -> tuple[bool, str]:
         """Whether a fresh cluster may start: every known member waits for the start,
@@ -656,3 +661,19 @@ class ControlPlane:
                 if self.digests.get(mid) != mine:
                     return False, f"{mid} reports a different member set"
             return True, ""
+
+
+def make_detector(detector: FailureDetector | str | None, membership: Membership, timing: Timing,
+                  frame: Frame) -> FailureDetector:
+    """The detector named ``detector`` (one of :data:`~gossip.protocol.timing.DETECTORS`; None:
+    the default) for ``membership``, framing its messages with ``frame``, or ``detector``
+    itself when it is one already."""
+    if detector is None:
+        detector = DEFAULT_DETECTOR
+    if detector == "heartbeat":
+        return HeartbeatDetector(membership, timing, frame)
+    if detector == "swim":
+        return SwimDetector(membership, timing, frame)
+    if isinstance(detector, str):
+        raise ValueError(f"detector must be one of {', '.join(DETECTORS)}, got {detector!r}")
+    return detector

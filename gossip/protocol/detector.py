@@ -1,65 +1,49 @@
 """Failure detection behind a small interface, so that the detector can change
-(today's all-to-all heartbeats; SWIM's probes, see ``gossip/protocol/swim.py``) without the
-control plane changing.
+(the all-to-all heartbeat here; SWIM's probes, see ``gossip/protocol/swim_detector.py``)
+without the control plane changing.
 
-What a detector is told, and what it says (sans-IO: no clock, no socket):
+What a detector is told, and what it says (sans-IO: no clock, no socket; what it
+says is :class:`~gossip.protocol.effects.Verdicts`, effects like the control plane's):
 
 ``heard(member, now)``
     a message (any kind) from ``member`` arrived at ``now``
 ``tick(now) -> Verdicts``
     called every few tens of milliseconds of the driver's clock; returns the
-    probes to send now (``(destination, kind)``: the control plane builds and
-    sends each, carrying its member digest) and the members it now holds
-    ``suspected``, ``dead`` or ``alive`` again (after a suspicion)
-
-The control plane acts on the verdicts: a dead member is removed (its leave
-round announced), a suspected one is only logged, and a probe is a ``ping``.
-
-A detector with messages of its own (SWIM, see ``gossip/protocol/swim_detector.py``) also has
-
+    messages to send now (its probes, framed as this node's messages by the
+    ``frame`` function the control plane gave it: life, status, datacenter, round,
+    progress and member digest) and the members it now holds ``suspected``,
+    ``dead``, ``alive`` again (after a suspicion) or ``left``
 ``receive(msg, now) -> Verdicts``
-    a message of its kind (``swim``) from a member, its fields checked: the
-    verdicts carry only ``sends`` (the replies); what the message taught about
-    members is said at the next tick
+    a message of its own kind (SWIM's ``swim``) from a member, its fields checked:
+    the verdicts carry only ``sends`` (the replies); what the message taught about
+    members is said at the next tick. A detector without messages of its own
+    refuses every one (``ValueError``).
 ``control_view(msg) -> Message``
-    that message as the control plane reads it: the member's status, round,
+    such a message as the control plane reads it: the member's status, round,
     life and member digest, as a ``ping`` would carry them
 ``new_life(incarnation)``
     this node starts a new life: the detector starts afresh at it
 
-and its verdicts carry ``sends``: ``(destination, kind, fields)``, which the
-control plane frames as its own messages (life, status, datacenter, member
-digest, round and progress) with ``fields`` added over them.
+The control plane acts on the verdicts: a dead member is removed (its leave
+round announced), a suspected one is only logged.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
+from gossip.core.message import Message
+from gossip.protocol.effects import Verdicts
 from gossip.protocol.membership import Membership
+from gossip.protocol.timing import Timing
 
-__all__ = ["Verdicts", "FailureDetector", "HeartbeatDetector", "DETECTORS", "DEFAULT_DETECTOR", "make_detector",
-           "detection_bound", "mark_heard", "own_stall"]
-
-DETECTORS = ("heartbeat", "swim")  # the names PeerConfig.detector and gossip-node --detector take
-DEFAULT_DETECTOR = "swim"  # gossip-node's, the simulator's and the explorer's
+__all__ = ["FailureDetector", "Frame", "HeartbeatDetector", "mark_heard", "own_stall"]
 
 log = logging.getLogger("gossip.detector")
 
 
-@dataclass
-class Verdicts:
-    """What a detector says at one tick."""
-
-    probes: list[tuple[str, str]] = field(default_factory=list)  # (destination, message kind) to send now
-    suspected: list[str] = field(default_factory=list)
-    dead: list[str] = field(default_factory=list)
-    alive: list[str] = field(default_factory=list)  # suspected before, heard from since
-    left: list[str] = field(default_factory=list)  # said goodbye, as another node heard (SWIM's news)
-    stalled: float = 0.0  # seconds this node itself did not run (0: it ran)
-    sends: list[tuple[str, str, dict]] = field(default_factory=list)  # (destination, kind, fields) to send now
+Frame = Callable[[str, dict], Message]  # (kind, fields) -> this node's control message of that kind
 
 
 class FailureDetector(Protocol):
@@ -69,6 +53,12 @@ class FailureDetector(Protocol):
 
     def tick(self, now: float) -> Verdicts: ...
 
+    def receive(self, msg: Message, now: float) -> Verdicts: ...
+
+    def control_view(self, msg: Message) -> Message: ...
+
+    def new_life(self, incarnation: int) -> None: ...
+
 
 def mark_heard(membership: Membership, member: str, now: float) -> None:
     """A message from ``member`` arrived at ``now``: the member table's ``last_seen``."""
@@ -77,15 +67,15 @@ def mark_heard(membership: Membership, member: str, now: float) -> None:
         m.last_seen = now
 
 
-def own_stall(membership: Membership, heartbeat: float, last_tick: float | None, now: float) -> float:
+def own_stall(membership: Membership, timing: Timing, last_tick: float | None, now: float) -> float:
     """Seconds this process did not run since its last tick (0: it ran).
 
-    A gap longer than ``max(dead_after / 2, 4 * heartbeat)`` means this process was
-    suspended or swapped out: everyone would look silent, but the silence is its own,
-    so the gap is credited back to every member's ``last_seen``.
+    A gap longer than ``timing.stall`` (``max(dead_after / 2, 4 * heartbeat)``) means
+    this process was suspended or swapped out: everyone would look silent, but the
+    silence is its own, so the gap is credited back to every member's ``last_seen``.
     """
     gap = now - (last_tick if last_tick is not None else now)
-    if gap <= max(membership.dead_after / 2, 4 * heartbeat):
+    if gap <= timing.stall:
         return 0.0
     for m in membership.members.values():
         m.last_seen = min(now, m.last_seen + gap)
@@ -102,62 +92,34 @@ class HeartbeatDetector:
     silent, but the silence is its own, so it is not counted against them.
     """
 
-    def __init__(self, membership: Membership, heartbeat: float) -> None:
+    def __init__(self, membership: Membership, timing: Timing, frame: Frame) -> None:
         self.m = membership
-        self.heartbeat = heartbeat
+        self.timing = timing
+        self.frame = frame
         self.last_ping = 0.0
         self._last_tick: float | None = None
 
     def heard(self, member: str, now: float) -> None:
         mark_heard(self.m, member, now)
 
+    def receive(self, msg: Message, now: float) -> Verdicts:
+        raise ValueError("kind (this node's failure detector takes no messages of its own)")
+
+    def control_view(self, msg: Message) -> Message:
+        raise ValueError("kind (this node's failure detector takes no messages of its own)")
+
+    def new_life(self, incarnation: int) -> None:
+        pass  # its memory is the member table's last_seen, which a new life keeps
+
     def tick(self, now: float) -> Verdicts:
         out = Verdicts()
-        out.stalled, self._last_tick = own_stall(self.m, self.heartbeat, self._last_tick, now), now
-        if now - self.last_ping >= self.heartbeat:
+        out.stalled, self._last_tick = own_stall(self.m, self.timing, self._last_tick, now), now
+        if now - self.last_ping >= self.timing.heartbeat:
             self.last_ping = now
             out.dead = [mid for mid, m in self.m.members.items()
-                        if mid != self.m.self_id and now - m.last_seen > self.m.dead_after]
-            out.probes = [(mid, "ping") for mid in self.m.others() if mid not in out.dead]
+                        if mid != self.m.self_id and now - m.last_seen > self.timing.dead_after]
+            targets = [mid for mid in self.m.others() if mid not in out.dead]
+            if targets:
+                ping = self.frame("ping", {})  # one message, to each
+                out.sends = [(mid, ping) for mid in targets]
         return out
-
-
-def detection_bound(detector: str, n: int, heartbeat: float, dead_after: float) -> float:
-    """The longest a crash of one member of ``n`` takes to become a removal on a live
-    member that can reach it, with detector ``detector`` (messages taking no time).
-
-    ``heartbeat``: the member is pinged every ``heartbeat`` and removed once silent for
-    ``dead_after``, checked at ticks of at most ``heartbeat / 2``. ``swim``: each node
-    probes every member once per pass of its probe order (reshuffled at each pass), so
-    at most ``2n - 2`` periods pass before its probe of the crashed member, one more
-    before it is suspect, then the suspicion timeout (SWIM's time-bounded completeness;
-    news from other members can only make it sooner). On average SWIM is far quicker:
-    some member probes it within about one period.
-
-    >>> detection_bound("heartbeat", 8, 0.5, 3.0), detection_bound("swim", 8, 0.5, 3.0)
-    (3.25, 10.0)
-    """
-    if detector == "heartbeat":
-        return dead_after + heartbeat / 2
-    if detector == "swim":
-        from gossip.protocol.swim_detector import swim_options
-
-        return (2 * n - 1) * heartbeat + swim_options(heartbeat, dead_after).suspicion_timeout(n)
-    raise ValueError(f"detector must be one of {', '.join(DETECTORS)}, got {detector!r}")
-
-
-def make_detector(detector: "FailureDetector | str | None", membership: Membership,
-                  heartbeat: float) -> FailureDetector:
-    """The detector named ``detector`` (one of :data:`DETECTORS`; None: :data:`DEFAULT_DETECTOR`)
-    for ``membership``, or ``detector`` itself when it is one already."""
-    if detector is None:
-        detector = DEFAULT_DETECTOR
-    if detector == "heartbeat":
-        return HeartbeatDetector(membership, heartbeat)
-    if detector == "swim":
-        from gossip.protocol.swim_detector import SwimDetector
-
-        return SwimDetector(membership, heartbeat)
-    if isinstance(detector, str):
-        raise ValueError(f"detector must be one of {', '.join(DETECTORS)}, got {detector!r}")
-    return detector

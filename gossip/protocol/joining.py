@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from gossip.core.actions import POLL0, Poll, Program
 from gossip.core.checkpoint import latest_checkpoint, load_checkpoint
 from gossip.core.message import Message
-from gossip.core.program import POLL0, PeerError, Poll, Program
 from gossip.core.state import sha256_of
 from gossip.mixing.base import all_finite, decode_payload
+from gossip.protocol.errors import PeerError
 
 __all__ = ["Joining", "ClusterGone"]
 
@@ -56,7 +57,7 @@ class Joining:
         """The round the cluster scheduled for us (it answers our hello with it)."""
         life = self.life
         now = yield POLL0
-        deadline = now + max(life.cfg.join_timeout, 5 * life.cfg.heartbeat)
+        deadline = now + max(life.cfg.timing.join_timeout, 5 * life.cfg.timing.heartbeat)
         while now < deadline and not life.stop.is_set():
             with life.lock:
                 m = life.membership
@@ -94,8 +95,8 @@ class Joining:
                                     + ", ".join(sorted(m.target or others)) + ")")
             if life.rejoin_via is not None:  # the member that dropped us knows the running cluster
                 others = [life.rejoin_via, *(o for o in others if o != life.rejoin_via)]
-            life.control.hello_all(others[:3])
-            end = now + life.cfg.heartbeat
+            life.control.apply(life.control.hello_all(others[:3]))
+            end = now + life.cfg.timing.heartbeat
             while now < end and not (life.id in life.membership.joins and life.membership.started):
                 now = yield Poll(end - now)
         raise PeerError("the running cluster did not schedule our join (no answer to hello)")
@@ -114,7 +115,7 @@ class Joining:
                 break
             if not serving:  # every member that would reach our round died or started a new life
                 raise ClusterGone("no member of the cluster it joins trains any more")
-            yield Poll(cfg.heartbeat / 2)
+            yield Poll(cfg.timing.heartbeat / 2)
         for attempt in range(6):
             donors = [j for j in node.topology.in_weights(node.index, start_round) if j != node.index]
             candidates = [node.members[j] for j in donors] or [m for m in node.members if m != life.id]
@@ -145,7 +146,7 @@ class Joining:
                         # messages of rounds they have finished
                         start_round = max(start_round, reply.round)
                         node.jump_to(self._join_step(start_round))
-                        if reply.weight is not None and hasattr(node.rule, "weight"):
+                        if reply.weight is not None and node.rule.weight is not None:
                             node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
                         self.state_from, self.state_step = donor, reply.progress
                         log.info("%s: took the state of %s (its step %d); joining at round %d", life.id, donor,

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from gossip.compression import get_codec
+from gossip.core.actions import POLL0, Compute, Poll, Program, Wait
 from gossip.core.checkpoint import (
     checkpoint_step,
     latest_checkpoint,
@@ -44,16 +45,17 @@ from gossip.core.checkpoint import (
     save_members,
 )
 from gossip.core.message import Message
-from gossip.core.program import POLL0, PeerError, Poll, Program
 from gossip.core.state import sha256_of
 from gossip.mixing.settings import build_rules
+from gossip.protocol.config import PeerConfig
 from gossip.protocol.control import ControlPlane
+from gossip.protocol.errors import PeerError
 from gossip.protocol.joining import ClusterGone, Joining
 from gossip.protocol.membership import Membership, out_of_step, topology_for
-from gossip.training.node import Compute, Node, NodeConfig, Wait
+from gossip.training.node import Node, NodeConfig
 from gossip.transport.addresses import parse_address
 
-__all__ = ["Poll", "POLL0", "Program", "Lifecycle", "PeerError", "LATE_ROUNDS"]
+__all__ = ["Lifecycle", "LATE_ROUNDS"]
 
 log = logging.getLogger("gossip.peer")
 
@@ -74,7 +76,7 @@ class Lifecycle:
 
     Parameters
     ----------
-    cfg : a :class:`gossip.protocol.config.PeerConfig`
+    cfg : the peer's settings
     task, device, fingerprint : the node's task (None with a user ``model``), device, model fingerprint
     incarnation : this process's first life
     send : ``send(dst, Message)``: control traffic, never blocks
@@ -86,7 +88,7 @@ class Lifecycle:
         (the one the driver answers with; see :class:`~gossip.protocol.control.ControlPlane`)
     """
 
-    def __init__(self, cfg: Any, *, task: Any, device: torch.device, fingerprint: str, incarnation: int,
+    def __init__(self, cfg: PeerConfig, *, task: Any, device: torch.device, fingerprint: str, incarnation: int,
                  send: Callable[[str, Message], None], reconnect: Callable[[str], None],
                  new_incarnation: Callable[[int], int], live_sends: bool = False,
                  origin: float = 0.0, clock: Callable[[], float] | None = None,
@@ -103,13 +105,12 @@ class Lifecycle:
         self.new_incarnation = new_incarnation
         self.lock = threading.RLock()  # the member table, shared with the driver's I/O side
         self.stop = threading.Event()  # set by the driver (a signal): end after the current step
-        self.membership = Membership(self.id, incarnation, fingerprint, cfg.dc, dead_after=cfg.dead_after,
-                                     join_margin=cfg.join_margin)
+        self.membership = Membership(self.id, incarnation, fingerprint, cfg.dc, timing=cfg.timing)
         self.control = ControlPlane(self.id, incarnation, fingerprint, cfg.dc, self.membership, self.lock, send,
-                                    self._to_node, self.progress, heartbeat=cfg.heartbeat,
+                                    self._to_node, self.progress, timing=cfg.timing,
                                     seeds=tuple(parse_address(p) for p in cfg.peers), reconnect=reconnect,
                                     excluded=self.on_excluded, clock=clock,
-                                    detector=getattr(cfg, "detector", None))
+                                    detector=cfg.detector)
         self.to_node: Callable[[Message], None] = self.handle  # the real driver queues them for its thread
         self.status = "waiting"
         self.node: Node | None = None
@@ -179,7 +180,7 @@ class Lifecycle:
             else:
                 log.warning("%s: %s announces that this node leaves at round %d: the cluster declared it dead "
                             "while it was alive (silent for more than --dead-after %g s, e.g. a paused "
-                            "process); joining again as a new life", self.id, by, rnd, self.cfg.dead_after)
+                            "process); joining again as a new life", self.id, by, rnd, self.cfg.timing.dead_after)
             self.excluded, self.rejoin_via, self.merging = rnd, by, merge
             self.rejoin_cluster = set(cluster)
 
@@ -214,21 +215,21 @@ class Lifecycle:
         cfg = self.cfg
         start = yield POLL0
         seeds = [parse_address(p) for p in cfg.peers]
-        self.control.hello_all([s for s in seeds if s != self.id])
+        self.control.apply(self.control.hello_all([s for s in seeds if s != self.id]))
         # a restarted process also asks the members it last trained with: its seeds may be
         # restarting too while the cluster trains on elsewhere (they hold no start back)
         former = [m for m in load_members(cfg.checkpoint_dir) if m != self.id and m not in seeds
                   and _is_address(m)] if cfg.resume and cfg.checkpoint_dir else []
         warned = False
         last_note = asked = last_former = start
-        self.control.hello_all(former)
+        self.control.apply(self.control.hello_all(former))
         while not self.stop.is_set():
             now = yield Poll(POLL)
-            if former and now - last_former >= max(1.0, 2 * cfg.heartbeat) and now - start < cfg.join_timeout:
+            if former and now - last_former >= max(1.0, 2 * cfg.timing.heartbeat) and now - start < cfg.timing.join_timeout:
                 last_former = now
                 with self.lock:
                     unheard = [m for m in former if m not in self.membership.members]
-                self.control.hello_all(unheard)
+                self.control.apply(self.control.hello_all(unheard))
             with self.lock:
                 others = self.membership.others()
                 running = [m for m in others if self.membership.members[m].status in ("training", "done")]
@@ -252,15 +253,15 @@ class Lifecycle:
             if running:
                 if base_known:
                     return "member" if in_base else "join"
-                if now - asked >= cfg.heartbeat:
+                if now - asked >= cfg.timing.heartbeat:
                     # a ping said "training" before the start announcement (with the starting
                     # member set) got here, e.g. over a slower link: ask for the member set
                     asked = now
-                    self.control.hello_all(running[:1])
+                    self.control.apply(self.control.hello_all(running[:1]))
                 continue
             if others:
                 # a seed that never answers stops holding the start back after join_timeout
-                ok, why = self.control.settled(now, cfg.settle, seeds=now - start < cfg.join_timeout)
+                ok, why = self.control.settled(now, cfg.timing.settle, seeds=now - start < cfg.timing.join_timeout)
                 if ok:
                     return "fresh"
                 if now - last_note >= 2.0:
@@ -269,14 +270,14 @@ class Lifecycle:
             if not others and seeds and now - last_note >= 2.0:
                 last_note = now  # a lone node says what it waits for, not only when join_timeout ends
                 log.info("%s: no peer has answered yet (%s); training alone in %.0f s (join_timeout) if "
-                         "none does", self.id, ", ".join(seeds), max(0.0, cfg.join_timeout - (now - start)))
-            if not others and not seeds and now - start >= cfg.settle:
+                         "none does", self.id, ", ".join(seeds), max(0.0, cfg.timing.join_timeout - (now - start)))
+            if not others and not seeds and now - start >= cfg.timing.settle:
                 return "fresh"  # nobody to wait for: the first node of a cluster
-            if not others and now - start >= cfg.join_timeout:
+            if not others and now - start >= cfg.timing.join_timeout:
                 if self.control.conflicts:
                     raise PeerError("; ".join(sorted(set(self.control.conflicts.values()))))
                 log.warning("%s: no peer answered within %.0f s; training alone (late peers will join)",
-                            self.id, cfg.join_timeout)
+                            self.id, cfg.timing.join_timeout)
                 return "fresh"
             if not others and self.control.conflicts and not warned:
                 warned = True
@@ -327,7 +328,7 @@ class Lifecycle:
         if mode == "fresh":
             # tell everyone whom we started with: a member that has not noticed the
             # settle yet then starts as one of us instead of asking to join
-            self.control.broadcast(self.control._members_message())
+            self.control.apply(self.control.announce_members())
         early, self.early = self.early, []
         for msg, inc in early:
             # a member that started a new life since (after a partition, say) numbers its
@@ -523,7 +524,7 @@ class Lifecycle:
         this node is the one far behind, it starts a new life itself."""
         node = self.node
         assert node is not None
-        margin = self.membership.join_margin + self.membership.leave_margin
+        margin = self.cfg.timing.join_margin + self.cfg.timing.leave_margin
         with self.lock:
             alive = {j: (m.status, m.round) for j in awaited if (m := self.membership.members.get(j)) is not None}
             cluster = self.membership.eventual()
@@ -534,24 +535,24 @@ class Lifecycle:
                         node.round)
         behind, ahead = out_of_step(node.round, alive, margin)
         for j in behind:
-            self.control.drop(j, f"out of step: it trains in round {alive[j][1]}, this cluster in round "
-                                 f"{node.round}")
+            self.control.apply(self.control.drop(j, f"out of step: it trains in round {alive[j][1]}, this "
+                                                    f"cluster in round {node.round}"))
         if ahead is not None and self.excluded is None:
             log.warning("%s: %s trains in round %d, far ahead of this node's round %d: this node is out of step "
                         "with its cluster; joining again as a new life", self.id, ahead, alive[ahead][1], node.round)
             self.excluded, self.rejoin_via, self.merging = alive[ahead][1], ahead, False
             self.rejoin_cluster = set(cluster) - {self.id}
             return
-        self.control.hello_all(sorted(alive))  # their member lists, in case ours and theirs differ
+        self.control.apply(self.control.hello_all(sorted(alive)))  # their member lists, in case ours and theirs differ
 
     def finish(self) -> Program:
         """Keep serving until every other member is done (or gone), or ``grace`` passes."""
         self.status = "done"
         if self.interrupted:
             return
-        self.control.announce_status()
+        self.control.apply(self.control.announce_status())
         now = yield POLL0
-        end = now + self.cfg.grace
+        end = now + self.cfg.timing.grace
         while now < end and not self.stop.is_set():
             with self.lock:
                 busy = [m for k, m in self.membership.members.items() if k != self.id and m.status != "done"]
@@ -587,7 +588,7 @@ class Lifecycle:
             snap, extra = node.handover()  # the parameters, and any outer optimizer's momentum
             if self.audit:
                 self.handed.append((str(msg.sender), sha256_of(node.state.flat)))
-            weight = getattr(node.rule, "weight", None)
+            weight = node.rule.weight
             reply = Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
                             weight, {"inc": self.incarnation, **extra}, self.fingerprint)
             self.send_message(msg.sender, reply)

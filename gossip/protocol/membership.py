@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from gossip.protocol.timing import Timing
+
 __all__ = ["Member", "Membership", "cluster_after", "stronger", "out_of_step", "topology_for"]
 
 log = logging.getLogger("gossip.membership")
@@ -91,16 +93,16 @@ class Membership:
 
     Parameters
     ----------
-    dead_after : silence (seconds) after which a member is declared dead
-    join_margin : rounds between announcing a join and adopting it
+    timing : the protocol's timings (``dead_after``: silence after which a member is
+        declared dead; ``join_margin`` / ``leave_margin``: rounds between announcing a
+        join or leave and adopting it)
     """
 
     self_id: str
     incarnation: int
     fingerprint: str
     dc: str = ""
-    dead_after: float = 3.0
-    join_margin: int = 20
+    timing: Timing = field(default_factory=Timing)
     members: dict[str, Member] = field(default_factory=dict)
     dead: dict[str, int] = field(default_factory=dict)  # id -> incarnation declared dead
     departed: dict[str, int] = field(default_factory=dict)  # id -> incarnation that said goodbye
@@ -120,7 +122,6 @@ class Membership:
     lives: dict[str, int] = field(default_factory=dict)
     # leaves announced for a life whose join has not arrived yet: id -> (incarnation, round)
     early_leaves: dict[str, tuple[int, int]] = field(default_factory=dict)
-    leave_margin: int = 5  # rounds between announcing a death or goodbye and adopting it
     # members that appeared or came back (a new life, or re-admitted) since the last
     # take_renewed(): a connection kept towards an earlier life must be opened afresh
     renewed: set[str] = field(default_factory=set)
@@ -294,7 +295,7 @@ class Membership:
 
     def _leave_of_dead(self, mid: str, incarnation: int | None) -> bool:
         """Announce this node's own death verdict on ``mid``: it leaves a margin ahead."""
-        return self.announce_leave(mid, max(self.max_round() + self.leave_margin, self.joins.get(mid, -1) + 1),
+        return self.announce_leave(mid, max(self.max_round() + self.timing.leave_margin, self.joins.get(mid, -1) + 1),
                                    incarnation, early=False)
 
     def orphaned(self) -> bool:
@@ -323,7 +324,7 @@ class Membership:
         for mid, since in list(self.suspects.items()):
             if mid in self.members or mid not in self.dead:
                 del self.suspects[mid]  # it spoke again (or left by itself)
-            elif now - since >= self.dead_after:
+            elif now - since >= self.timing.dead_after:
                 del self.suspects[mid]
                 if self.counts(mid, self.dead[mid]) and self._leave_of_dead(mid, self.dead[mid]):
                     out.append(mid)
@@ -388,9 +389,9 @@ class Membership:
     def expire(self, now: float) -> list[str]:
         """Declare members silent for ``dead_after`` seconds dead; returns their ids."""
         gone = [mid for mid, m in self.members.items()
-                if mid != self.self_id and now - m.last_seen > self.dead_after]
+                if mid != self.self_id and now - m.last_seen > self.timing.dead_after]
         for mid in gone:
-            self.remove(mid, f"silent for more than {self.dead_after:g} s")
+            self.remove(mid, f"silent for more than {self.timing.dead_after:g} s")
         return gone
 
     def report(self) -> list[list]:

@@ -56,7 +56,8 @@ import random
 from typing import Any
 
 from gossip.core.message import Message
-from gossip.protocol.detector import Verdicts, mark_heard, own_stall
+from gossip.protocol.detector import Frame, mark_heard, own_stall
+from gossip.protocol.effects import Verdicts
 from gossip.protocol.membership import Membership
 from gossip.protocol.swim import (
     ALIVE,
@@ -69,23 +70,13 @@ from gossip.protocol.swim import (
     check,
     from_message,
 )
+from gossip.protocol.timing import Timing
 
-__all__ = ["SwimDetector", "swim_options"]
+__all__ = ["SwimDetector"]
 
 log = logging.getLogger("gossip.detector")
 
 MAX_INT = 2**63 - 1
-
-
-def swim_options(heartbeat: float, dead_after: float) -> SwimOptions:
-    """SWIM's timing from the node's ``heartbeat`` and ``dead_after`` (see the module docstring).
-
-    >>> o = swim_options(0.5, 3.0)
-    >>> o.period, o.probe_timeout, o.suspicion_timeout(4), o.suspicion_timeout(1024), o.suspicion_timeout(10**6)
-    (0.5, 0.2, 2.5, 2.5, 3.0)
-    """
-    return SwimOptions(period=heartbeat, probe_timeout=min(0.2, 0.4 * heartbeat),
-                       suspicion_min=max(0.0, dead_after - heartbeat), gossip_interval=min(0.1, heartbeat))
 
 
 class SwimDetector:
@@ -94,16 +85,19 @@ class SwimDetector:
     Parameters
     ----------
     membership : the member table (read and written with the control plane's lock held)
-    heartbeat : the probe period (s)
-    options : SWIM's timing; default :func:`swim_options` of ``heartbeat`` and the table's ``dead_after``
+    timing : the protocol's timings (the probe period is ``heartbeat``)
+    frame : ``frame(kind, fields)``: this node's control message of that kind (the control
+        plane's framing: life, status, round, member digest)
+    options : SWIM's own timing; default ``timing.swim()``
     seed : seeds each life's rng with (seed, node id, life): the same inputs, the same probes
     """
 
-    def __init__(self, membership: Membership, heartbeat: float, *, options: SwimOptions | None = None,
-                 seed: Any = 0) -> None:
+    def __init__(self, membership: Membership, timing: Timing, frame: Frame, *,
+                 options: SwimOptions | None = None, seed: Any = 0) -> None:
         self.m = membership
-        self.heartbeat = heartbeat
-        self.options = options if options is not None else swim_options(heartbeat, membership.dead_after)
+        self.timing = timing
+        self.frame = frame
+        self.options = options if options is not None else timing.swim()
         self.seed = seed
         self.ignored_events = 0  # events about a member's older life, or a non-member
         self._last_tick: float | None = None
@@ -128,7 +122,7 @@ class SwimDetector:
     def tick(self, now: float) -> Verdicts:
         out = Verdicts()
         # a stall of this process: SWIM gives its suspicions the time back itself
-        out.stalled, self._last_tick = own_stall(self.m, self.heartbeat, self._last_tick, now), now
+        out.stalled, self._last_tick = own_stall(self.m, self.timing, self._last_tick, now), now
         self._sync(now)
         out.sends = [self._frame(sm) for sm in self.swim.tick(now)]
         for ev in self.swim.take_events():
@@ -137,7 +131,7 @@ class SwimDetector:
                 self.ignored_events += 1  # not a member, or about an older life than the table's
                 continue
             if ev.state == DEAD:
-                if now - member.last_seen < self.m.dead_after / 2:
+                if now - member.last_seen < self.timing.dead_after / 2:
                     self.doubted.add(ev.member)  # it spoke to this node lately: judged by its silence
                 else:
                     out.dead.append(ev.member)
@@ -154,7 +148,7 @@ class SwimDetector:
             member, rec = self.m.members.get(mid), self.swim.state(mid)
             if member is None or rec is None or rec[0] != DEAD:
                 self.doubted.discard(mid)  # it refuted, or left the table otherwise
-            elif now - member.last_seen >= self.m.dead_after:
+            elif now - member.last_seen >= self.timing.dead_after:
                 self.doubted.discard(mid)
                 out.dead.append(mid)
         return out
@@ -183,8 +177,8 @@ class SwimDetector:
         return out
 
     # -- helpers -------------------------------------------------------------------------------
-    def _frame(self, sm: Any) -> tuple[str, str, dict]:
-        return sm.to, KIND, {**sm.fields, "life": self.life}
+    def _frame(self, sm: Any) -> tuple[str, Message]:
+        return sm.to, self.frame(KIND, {**sm.fields, "life": self.life})
 
     def _sync(self, now: float) -> None:
         """SWIM learns the member table's changes: members (and new lives) join at their

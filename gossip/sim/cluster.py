@@ -41,11 +41,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from gossip.core.actions import Compute, Poll, Release, Send
 from gossip.core.message import Message
 from gossip.core.state import FlatState
 from gossip.protocol.config import PeerConfig
-from gossip.protocol.lifecycle import Lifecycle, PeerError, Poll
-from gossip.training.node import Compute, Release, Send, init_model
+from gossip.protocol.errors import PeerError
+from gossip.protocol.lifecycle import Lifecycle
+from gossip.protocol.timing import Timing
+from gossip.training.node import init_model
 from gossip.training.tasks import get_task
 from gossip.transport import wire
 from gossip.transport.links import LinkModel, SimNetwork
@@ -55,7 +58,7 @@ __all__ = ["SimCluster", "SimProcess", "FAST", "node_id"]
 log = logging.getLogger("gossip.simcluster")
 
 #: the settings of the real-process fault tests (tests/test_faults_real.py ``FAST``)
-FAST: dict[str, Any] = dict(heartbeat=0.25, dead_after=2.0, settle=1.0, grace=5.0, timeout=5.0)
+FAST: dict[str, Any] = dict(timing=Timing.fast(), timeout=5.0)
 
 RESUME, FRAMES, TICK, FAULT = range(4)
 
@@ -290,7 +293,7 @@ class SimCluster:
             return True
         node, cfg = life.node, q.cfg
         return life.status == "training" and node is not None \
-            and node.round + cfg.join_margin >= cfg.steps // cfg.mixing.period
+            and node.round + cfg.timing.join_margin >= cfg.steps // cfg.mixing.period
 
     def _crash(self, i: int) -> None:
         p = self.procs[i]
@@ -311,7 +314,7 @@ class SimCluster:
             return
         p.stalled = False
         assert p.life is not None
-        p.life.control.tick(p.local(self.now))  # its I/O thread runs again: first of all it sees the gap
+        p.life.control.apply(p.life.control.tick(p.local(self.now)))  # it runs again: first it sees the gap
         backlog, p.backlog = p.backlog, []
         for sender, frames in backlog:
             self._receive(p, sender, frames)
@@ -323,7 +326,7 @@ class SimCluster:
     def _exit(self, p: SimProcess, how: str) -> None:
         assert p.life is not None
         if how == "done":  # Peer.close: a goodbye, so nobody waits for a timeout
-            p.life.control.goodbye("done" if not p.life.interrupted else "stopped")
+            p.life.control.apply(p.life.control.goodbye("done" if not p.life.interrupted else "stopped"))
         self._up -= 1
         p.up, p.exit, p.program = False, how, None
         p.epoch += 1
@@ -444,8 +447,8 @@ class SimCluster:
                     continue  # a stalled process ticks again when it runs again
                 self.now = t
                 assert p.life is not None
-                p.life.control.tick(p.local(t))
-                self._push(t + p.span(min(0.1, p.cfg.heartbeat / 2)), TICK, i, p.epoch)
+                p.life.control.apply(p.life.control.tick(p.local(t)))
+                self._push(t + p.span(p.cfg.timing.tick), TICK, i, p.epoch)
             else:  # RESUME
                 epoch, token = data
                 if epoch != p.epoch or token != p.token:

@@ -10,7 +10,7 @@ import torch
 
 from gossip.mixing.adversary import parse_byzantine
 from gossip.mixing.settings import MixingSettings, with_mixing_options
-from gossip.protocol.detector import DEFAULT_DETECTOR, DETECTORS
+from gossip.protocol.timing import DEFAULT_DETECTOR, DETECTORS, Timing
 from gossip.sim.batched import parse_engine
 from gossip.sim.engine import ComputeModel, parse_compute, parse_slow
 from gossip.sim.faults import parse_faults
@@ -52,8 +52,8 @@ class SimConfig:
     timeout: float = 30.0            # how long a synchronous round waits (simulated seconds)
     faults: Any = None               # ["crash:3@1.0", "join:3@2.5", "partition:0-3|4-7@1-2"] (gossip.sim.faults):
                                      # a run with faults runs every node's real control plane (gossip.sim.fault_runs)
-    detect: float = 3.0              # with faults: the failure detector's dead_after (heartbeat detect/4; see
-                                     # gossip.sim.fault_runs.detector_settings)
+    detect: float = Timing.dead_after  # with faults: the failure detector's dead_after (heartbeat detect/4;
+                                     # see gossip.protocol.timing.Timing.from_detect)
     detector: str = DEFAULT_DETECTOR # with faults: the nodes' failure detector (gossip-node --detector)
     # what is recorded
     eval_every: int = 0              # local steps between evaluations (0: about 20 points per run)
@@ -72,8 +72,7 @@ class SimConfig:
             raise ValueError(f"eval_every must be a non-negative integer, got {self.eval_every!r}")
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
-        if not (isinstance(self.detect, (int, float)) and self.detect >= 0):
-            raise ValueError(f"detect must be a number of seconds >= 0, got {self.detect!r}")
+        Timing.from_detect(self.detect)  # a ValueError naming detect, before anything runs
         if self.detector not in DETECTORS:
             raise ValueError(f"detector must be one of {', '.join(DETECTORS)}, got {self.detector!r}")
         parse_faults(self.faults, self.nodes)

@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gossip.training.node import Compute, Node, Send, Wait
+from gossip.core.actions import Compute, Send, Wait
+from gossip.training.node import Node
 from gossip.transport.links import SimNetwork
 from gossip.transport.wire import message_size, same_header_size
 

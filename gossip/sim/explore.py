@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from gossip.protocol.detector import DEFAULT_DETECTOR, DETECTORS
+from gossip.protocol.timing import DEFAULT_DETECTOR, DETECTORS
 from gossip.sim.cluster import SimCluster
 from gossip.transport.links import LinkModel
 

@@ -21,7 +21,8 @@ What the :class:`~gossip.sim.config.SimConfig` becomes, per node (a
   every link's model;
 * every node names every node up at time 0 as ``--peers`` (a late joiner reaches
   whoever is up);
-* ``detect`` (seconds) is the failure detector's timing (:func:`detector_settings`):
+* ``detect`` (seconds) is the failure detector's timing
+  (:meth:`Timing.from_detect <gossip.protocol.timing.Timing.from_detect>`):
   ``dead_after = detect``, ``heartbeat = detect / 4``, ``settle`` one heartbeat (the
   start-up: discovery, then a stable member set this long), ``grace = 2.5 * detect``,
   ``join_timeout = 20 * detect`` (at least 1 s), and ``join_margin`` the rounds a
@@ -53,28 +54,17 @@ from pathlib import Path
 from typing import IO, Any
 
 from gossip.core.progress import ProgressBar
+from gossip.protocol.timing import Timing
 from gossip.sim.cluster import FAULT, SimCluster, SimProcess
-from gossip.sim.config import torch_threads, world_of
+from gossip.sim.config import SimConfig, torch_threads, world_of
 from gossip.sim.faults import parse_faults
 from gossip.sim.record import Recorder, SimulationResult, open_out, summarize
 
-__all__ = ["FaultSimulation", "detector_settings"]
+__all__ = ["FaultSimulation"]
 
 ENGINE = "protocol"
 
 log = logging.getLogger("gossip.simfaults")
-
-
-def detector_settings(detect: float, round_seconds: float) -> dict[str, Any]:
-    """The real control plane's timing for a simulated failure-detection delay of
-    ``detect`` seconds (rounds of ``round_seconds``): the PeerConfig fields."""
-    if not (isinstance(detect, (int, float)) and detect > 0 and math.isfinite(detect)):
-        raise ValueError(f"detect must be a positive number of seconds with faults (the failure detector's "
-                         f"dead_after), got {detect!r}")
-    heartbeat = detect / 4
-    return dict(dead_after=float(detect), heartbeat=heartbeat, settle=heartbeat, grace=2.5 * detect,
-                join_timeout=max(1.0, 20.0 * detect),
-                join_margin=int(min(20, max(2, math.ceil(heartbeat / max(round_seconds, 1e-9))))))
 
 
 class FaultSimulation:
@@ -87,7 +77,7 @@ class FaultSimulation:
     and ``nodes`` each index's current node (None before its first start).
     """
 
-    def __init__(self, cfg: Any, *, out: str | Path | IO[str] | None = None, progress: bool | None = False) -> None:
+    def __init__(self, cfg: SimConfig, *, out: str | Path | IO[str] | None = None, progress: bool | None = False) -> None:
         from gossip.training.tasks import get_task
         from topologies import build
 
@@ -111,7 +101,7 @@ class FaultSimulation:
         dcs = [self.topology.dc(i) for i in range(cfg.nodes)]
         labels = [f"dc{d:03d}" for d in dcs] if len(set(dcs)) > 1 else None
         sampler = compute.sampler(cfg.seed)
-        self.timing = detector_settings(cfg.detect, cfg.mixing.period * compute.mean)
+        self.timing = Timing.from_detect(cfg.detect, cfg.mixing.period * compute.mean)
         first: dict[int, str] = {}
         for ev in self.faults:
             if ev.kind in ("crash", "join"):
@@ -132,7 +122,7 @@ class FaultSimulation:
                 inter_link=links["inter"] if labels is not None else None,
                 step_time=lambda i: sampler(i, 0.0), peers=lambda i: starters, late=late, configure=configure,
                 device=cfg.device, task=self.task, topology=cfg.topology, mixing=cfg.mixing, split=cfg.split,
-                timeout=float(cfg.timeout), detector=cfg.detector, **self.timing)
+                timeout=float(cfg.timeout), detector=cfg.detector, timing=self.timing)
         for ev in self.faults:
             if ev.kind == "crash":
                 c.crash(ev.node, at=ev.time)
@@ -147,7 +137,7 @@ class FaultSimulation:
         # then has a node that never finished (see result()["exits"])
         slowest = max([1.0, *compute.slow.values()]) * compute.mean * (1 + 3 * compute.cv)
         last = max([0.0, *(ev.time for ev in self.faults)])
-        self.horizon = last + 10 * cfg.steps * slowest + 10 * (self.timing["join_timeout"] + cfg.timeout) + 60.0
+        self.horizon = last + 10 * cfg.steps * slowest + 10 * (self.timing.join_timeout + cfg.timeout) + 60.0
         self._out, self._close = open_out(out)
         self.bar = ProgressBar(cfg.steps, enabled=progress)
         with torch_threads(cfg.threads):
@@ -242,7 +232,7 @@ class FaultSimulation:
             "rejoins": sum(life.rejoins for life in lives), "merges": sum(life.merges for life in lives),
             "timed_out_rounds": sum(life.timed_out_rounds for life in lives),
             "detector": {"name": cfg.detector,
-                         **{k: self.timing[k] for k in ("dead_after", "heartbeat", "settle", "join_margin")}},
+                         **{k: getattr(self.timing, k) for k in ("dead_after", "heartbeat", "settle", "join_margin")}},
         })
         if self._out is not None:
             import json

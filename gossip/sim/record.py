@@ -181,7 +181,7 @@ def summarize(cfg: SimConfig, topology: str, last: dict[str, Any], nodes: list[N
         "bytes_intra": network.bytes_by_class.get("intra", 0),
         "bytes_inter": network.bytes_by_class.get("inter", 0),
         "messages_lost": network.lost,
-        "clipped": sum(getattr(ch.rule, "clipped", 0) for n in nodes for ch in n.channels),
+        "clipped": sum(ch.rule.clipped for n in nodes for ch in n.channels),
         "faults": [],
         "missing_neighbors": sum(n.mix_totals.missing for n in nodes),
         "rejected": sum(sum(n.rejected.values()) for n in nodes),

@@ -2,22 +2,10 @@
 
 The node never sleeps, never reads a clock and never touches a socket. Its
 :meth:`Node.program` is a generator that yields what it needs from the outside
-world, and the driver answers with the current time:
-
-``Compute()``
-    "I just ran one local optimizer step": the simulator advances its virtual
-    clock by this node's compute time; a real driver just carries on.
-``Send(messages)``
-    "deliver these": the simulator schedules arrivals over its link model; the
-    real driver hands them to the ZeroMQ I/O thread. Never blocks.
-``Wait(timeout)``
-    "resume me when :meth:`Node.ready` turns true, or after ``timeout`` seconds
-    of your clock". Used by synchronous rules to collect a round's messages.
-``Release(lease, timeout)``
-    "resume me when the transport has let go of the parameters I sent in place,
-    or after ``timeout`` seconds". Only with ``NodeConfig.live_sends``, which a
-    driver sets when its transport holds what it sends until sent (ZeroMQ's
-    zero-copy frames do; see :class:`gossip.core.buffers.SendLease`).
+world (``Compute``, ``Send``, ``Wait``, ``Release``: the action vocabulary of
+:mod:`gossip.core.actions`), and the driver answers with the current time. ``Release``
+comes only with ``NodeConfig.live_sends``, which a driver sets when its transport
+holds what it sends until sent (ZeroMQ's zero-copy frames do).
 
 Messages that arrive go through :meth:`Node.deliver` (validation, then the
 inbox); the mixing rule consumes the inbox. The same code therefore runs in
@@ -37,47 +25,18 @@ from typing import Any, Generator, Sequence
 import torch
 
 from gossip.compression import CodecError
+from gossip.core.actions import COMPUTE, Action, Release, Send, Wait
 from gossip.core.buffers import Pieces, SendLease
 from gossip.core.message import STATE, Message
 from gossip.core.state import FlatState
 from gossip.mixing import Inbox, MixingRule, MixReport
 from gossip.mixing.base import all_finite, decode_payload
 
-__all__ = ["Node", "NodeConfig", "Compute", "Send", "Wait", "Release", "Action", "init_model", "resolve_device"]
+__all__ = ["Node", "NodeConfig", "init_model", "resolve_device"]
 
 log = logging.getLogger("gossip.node")
 
 
-@dataclass(frozen=True)
-class Compute:
-    """The node finished one local step."""
-
-
-@dataclass(frozen=True)
-class Send:
-    """Messages to deliver: ``(destination id, Message)`` pairs."""
-
-    messages: list[tuple[Any, Message]]
-
-
-@dataclass(frozen=True)
-class Wait:
-    """Resume when the node is ready or ``timeout`` seconds have passed."""
-
-    timeout: float
-
-
-@dataclass(frozen=True)
-class Release:
-    """Resume when ``lease`` is released (the transport is done with the
-    parameters sent in place) or ``timeout`` seconds have passed."""
-
-    lease: SendLease
-    timeout: float
-
-
-Action = Compute | Send | Wait | Release
-COMPUTE = Compute()
 GUARD_EVERY = 50  # good local steps between snapshots the NaN guard can go back to
 
 
@@ -326,18 +285,16 @@ class Node:
 
     def _rules_adopt(self) -> None:
         for ch in self.channels:
-            hook = getattr(ch.rule, "on_adopt", None)
-            if hook is not None:
-                hook(self.state.flat)
+            ch.rule.on_adopt(self.state.flat)
 
     def outer_state(self) -> list[dict[str, Any] | None]:
         """Per channel, the outer optimizer state a joiner takes with the parameters (None: no outer)."""
-        return [ch.rule.outer_state() if hasattr(ch.rule, "outer_state") else None for ch in self.channels]
+        return [ch.rule.outer_state() for ch in self.channels]
 
     def load_outer_state(self, states: list[dict[str, Any] | None]) -> None:
         """Take a member's :meth:`outer_state` (after :meth:`adopt` of its parameters)."""
         for ch, st in zip(self.channels, states):
-            if st is not None and hasattr(ch.rule, "load_outer_state"):
+            if st is not None:
                 ch.rule.load_outer_state(st)
 
     def handover(self) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -601,8 +558,7 @@ class Node:
             return "fingerprint"  # only in-process messages may leave it empty
         data = msg.data
         ch = self.channels[0] if self._channel_of is None else self._channel_of[self.index_of[msg.sender]]
-        part = getattr(ch.rule, "payload_numel", None)  # a rule exchanging one fragment per round
-        if data is None or data.numel != (self.numel if part is None else part(msg.round, self.numel)):
+        if data is None or data.numel != ch.rule.payload_numel(msg.round, self.numel):  # (a fragment: a part)
             return "size"
         if self.config.check_payloads:
             # a sender numbers its messages 1, 2, ...: anything not newer than the last
@@ -632,11 +588,12 @@ class Node:
             period = min(64, max(1, int(getattr(ch.topology, "period", 1) or 1)))
             for r in range(max(0, self.round - period + 1), self.round + 1):
                 current.update(j for j in ch.topology.in_weights(self.index, r) if j != self.index)
+        kept = [ch.rule.neighbor_models() for ch in self.channels]
         models = None
-        if all(hasattr(ch.rule, "neighbor_models") for ch in self.channels):
+        if all(k is not None for k in kept):
             models = {}
-            for ch in self.channels:
-                models.update((j, t) for j, t in ch.rule.neighbor_models().items() if j in current)
+            for k in kept:
+                models.update((j, t) for j, t in k.items() if j in current)  # type: ignore[union-attr]
         if models is None:
             models = {}
             for sender, msg in self.last_from.items():
