@@ -215,8 +215,8 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.verbose)
     # every simulated node's control plane logs its view of each fault (removals, merges,
     # joins) as a real node does: dozens of lines per fault; shown with -v
-    quiet = [logging.getLogger(name) for name in ("gossip.peer.driver", "gossip.protocol.control", "gossip.protocol.membership",
-                                                  "gossip.protocol.detector", "gossip.sim.cluster")] \
+    quiet = [logging.getLogger(name) for name in ("gossip.peer", "gossip.control", "gossip.membership",  # logger names
+                                                  "gossip.detector", "gossip.simcluster")] \
         if args.fault and args.verbose <= 0 else []
     levels = [q.level for q in quiet]
     for q in quiet:
