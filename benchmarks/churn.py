@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gossip.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from gossip.core.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from tests.cluster import Cluster, NodeProc, free_port  # noqa: E402
 
 FLAGS = ["--topology", "ring", "--task", "synthetic", "--json", "--dead-after", "2", "--checkpoint-every", "200"]

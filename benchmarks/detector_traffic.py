@@ -1,7 +1,7 @@
 """Control traffic and crash detection of the whole peer, heartbeat against SWIM.
 
 Runs the real peer (lifecycle, control plane, failure detector, wire frames) of
-``n`` nodes in the simulator (:class:`gossip.simcluster.SimCluster`) on a
+``n`` nodes in the simulator (:class:`gossip.sim.cluster.SimCluster`) on a
 virtual clock, training a synthetic task, once with ``detector="heartbeat"``
 and once with ``detector="swim"``. Counts the control messages (every kind but
 the node thread's state, state-request, state-reply and average) sent per node
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from gossip.simcluster import SimCluster, node_id  # noqa: E402
+from gossip.sim.cluster import SimCluster, node_id  # noqa: E402
 
 NODE_KINDS = {"state", "state-request", "state-reply", "average"}
 

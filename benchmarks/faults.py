@@ -161,7 +161,7 @@ def crash(steps: int, dead_after: float, n: int = 8) -> dict:
 
 def partition() -> dict:
     """The halves cut apart in the simulator, which runs every node's real control plane
-    for a run with faults (gossip.simfaults): detection, the halves' own clusters and the
+    for a run with faults (gossip.sim.fault_runs): detection, the halves' own clusters and the
     merge after the heal are the protocol's."""
     r = gossip.simulate(nodes=8, topology="ring", task="digits", steps=300, eval_every=10, compute="fixed:0.01",
                         faults=["partition:0-3|4-7@1.0-2.0"], detect=0.2)

@@ -24,7 +24,7 @@ without CUDA it says so and exits 0; ``--dry-run`` runs the same measurement
 on the CPU with a small model, to check the script itself.
 
 It also checks a group of one on the GPU (``group_check``): two groups, each
-started by ``torchrun --nproc-per-node 1 -m gossip.group_run`` with the default
+started by ``torchrun --nproc-per-node 1 -m gossip.groups.run`` with the default
 ``--device auto``, FSDP inside, must train on ``cuda:0`` and mix every round
 (on the CPU in a dry run).
 """
@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gossip.ports import free_port  # noqa: E402
+from gossip.transport.ports import free_port  # noqa: E402
 
 #: name -> local steps between exchanges (off: never within a run)
 CONFIGS = {"off": 10**9, "gossip": 1, "period4": 4}
@@ -73,7 +73,7 @@ class WideTask:
         return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
     def stream(self, rank, world_size, split, seed, device="cpu"):
-        from gossip.data import BatchStream, node_seed
+        from gossip.training.data import BatchStream, node_seed
 
         idx = range(rank, len(self.y), world_size)
         return BatchStream((self.X, self.y), list(idx), 256, node_seed(seed, rank, 1), device)
@@ -105,7 +105,8 @@ def _worker(device: str, hidden: int, jobs, out) -> None:
     """One node's process: runs a fresh Peer for each job until it gets None."""
     import torch
 
-    from gossip.peer import Peer, PeerConfig
+    from gossip.peer.driver import Peer
+    from gossip.protocol.config import PeerConfig
 
     # the two nodes share the machine: half its cores each for the CPU side of the exchange (check, mix)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -197,7 +198,7 @@ def group_check(timeout: float = 120.0, steps: int = 4, period: int = 2) -> dict
     groups = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     with tempfile.TemporaryDirectory() as out:
         procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                                   "--master-port", str(free_port()), "-m", "gossip.group_run", "--group", g,
+                                   "--master-port", str(free_port()), "-m", "gossip.groups.run", "--group", g,
                                    "--groups", ",".join(groups), "--intra", "fsdp", "--steps", str(steps),
                                    "--period", str(period), "--out", out],
                                   cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for g in groups]

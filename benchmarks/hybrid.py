@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gossip.ports import free_port, free_ports  # noqa: E402
+from gossip.transport.ports import free_port, free_ports  # noqa: E402
 
 WIDTH = 4096  # a layer is WIDTH x WIDTH float32: 64 MiB
 
@@ -66,11 +66,10 @@ def worker(args: argparse.Namespace) -> None:
     """One rank (run by torchrun): build the sharded model, exchange, write figures."""
     import torch
     from torch import nn
-
-    from gossip.group import start_group
-    from gossip.group_member import GroupMember
-
     from torch.distributed.fsdp import fully_shard
+
+    from gossip.groups.group import start_group
+    from gossip.groups.member import GroupMember
 
     torch.set_num_threads(1)
     group = start_group("fsdp", "cpu")

@@ -6,7 +6,7 @@ simulator, the same tokens per node and seeds for every row, H inner AdamW steps
 per exchange and >= 100 outer steps per row. Rows:
 
 =========================  =====================================================
-ddp                        gradients averaged exactly every step (gossip.ddp)
+ddp                        gradients averaged exactly every step (gossip.sim.ddp)
 localsgd                   complete graph, plain averaging every H steps (--outer sgd:lr=1)
 diloco                     complete graph (the all-reduce reference), outer Nesterov 0.7 / 0.9
 gossip-diloco-ring         ring, outer Nesterov
@@ -61,7 +61,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gossip  # noqa: E402
-from gossip.ddp import allreduce_bytes, ddp_reference  # noqa: E402
+from gossip.sim.ddp import allreduce_bytes, ddp_reference  # noqa: E402
 
 DILOCO = "nesterov:lr=0.7,momentum=0.9"
 NOLOCO = "noloco:lr=0.7,momentum=0.5"

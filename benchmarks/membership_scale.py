@@ -1,7 +1,7 @@
-"""Membership at scale: SWIM (gossip/swim.py) against today's all-to-all heartbeat.
+"""Membership at scale: SWIM (gossip/protocol/swim.py) against today's all-to-all heartbeat.
 
-For each cluster size, the real :class:`gossip.swim.Swim` of every node runs
-over a simulated network on a virtual clock (gossip/transport/sim.py's
+For each cluster size, the real :class:`gossip.protocol.swim.Swim` of every node runs
+over a simulated network on a virtual clock (gossip/transport/links.py's
 SimNetwork: per-message latency, optional loss; message sizes are the real
 encoded wire headers). Every node is ticked every ``--tick`` seconds (the
 control plane's tick) at its own phase. After a warm-up, one random node
@@ -15,7 +15,7 @@ and a pause, the next one crashes, ``--crashes`` times per seed. Measured:
                     dead: median and max over all crashes of all seeds
   false_deaths      live nodes declared dead anywhere (must be 0)
 
-The all-to-all heartbeat of gossip/control.py is measured side by side: its
+The all-to-all heartbeat of gossip/protocol/control.py is measured side by side: its
 message rate is exact, (n - 1) / heartbeat per node; its detection time is
 drawn for the same crashes from its rule (every node checks silence each
 heartbeat at its own phase and declares a member dead once it has been silent
@@ -44,12 +44,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gossip import wire  # noqa: E402
-from gossip.swim import DEAD, Swim, SwimOptions, to_message  # noqa: E402
-from gossip.transport.sim import LinkModel, SimNetwork  # noqa: E402
+from gossip.protocol.swim import DEAD, Swim, SwimOptions, to_message  # noqa: E402
+from gossip.protocol.timing import Timing  # noqa: E402
+from gossip.transport import wire  # noqa: E402
+from gossip.transport.links import LinkModel, SimNetwork  # noqa: E402
 
-HEARTBEAT = 0.5   # gossip/peer.py PeerConfig.heartbeat
-DEAD_AFTER = 3.0  # gossip/peer.py PeerConfig.dead_after
+HEARTBEAT = Timing.heartbeat   # gossip-node's defaults (gossip/protocol/timing.py)
+DEAD_AFTER = Timing.dead_after
 
 
 def node_id(i: int) -> str:
@@ -144,7 +145,7 @@ def run_swim(n: int, seed: int, *, crashes: int, latency: float, loss: float, ti
 def all_to_all_detect(n: int, rng: random.Random, *, heartbeat: float = HEARTBEAT, dead_after: float = DEAD_AFTER,
                       latency: float = 0.0) -> float:
     """Seconds from a crash at 0 until every other node declares it dead under
-    gossip/control.py's rule (membership.expire checked once a heartbeat)."""
+    gossip/protocol/control.py's rule (membership.expire checked once a heartbeat)."""
     last = -rng.uniform(0, heartbeat) + latency  # its last ping's arrival
     worst = 0.0
     for _ in range(n - 1):

@@ -9,11 +9,11 @@ For N nodes on a ring (digits, its default small MLP, D-PSGD every step) we time
             event queue, one local step per node at a time, gossip rounds, final
             evaluation of every node and of the averaged model;
   batched   the same with ``--engine batched``: the local steps due together run
-            as one vectorised call over the nodes' parameter rows (gossip.batched),
+            as one vectorised call over the nodes' parameter rows (gossip.sim.batched),
             the event loop, messages and mixing stay per node;
   lockstep  the same with ``--engine lockstep`` (the default, ``auto``, for this
             run): every node a round at a time, one vectorised step and one sparse
-            mixing product per round (gossip.lockstep).
+            mixing product per round (gossip.sim.lockstep).
 
 These machines are shared and their speed drifts by tens of percent within a
 minute, so the sides are interleaved in short chunks inside one process
@@ -50,10 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from gossip.api import SimConfig, Simulation, average_params  # noqa: E402
-from gossip.node import init_model  # noqa: E402
-from gossip.simulator import parse_compute  # noqa: E402
-from gossip.state import FlatState  # noqa: E402
-from gossip.tasks import get_task  # noqa: E402
+from gossip.core.state import FlatState  # noqa: E402
+from gossip.sim.engine import parse_compute  # noqa: E402
+from gossip.training.node import init_model  # noqa: E402
+from gossip.training.tasks import get_task  # noqa: E402
 
 
 class PlainRun:

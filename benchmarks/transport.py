@@ -48,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gossip.ports import free_port  # noqa: E402
+from gossip.transport.ports import free_port  # noqa: E402
 
 WARMUP = 3  # rounds discarded: connection set-up and the receive-buffer pool filling up
 
@@ -133,7 +133,7 @@ def _raw_mixing(rank: int, ports: list[int], numel: int, rounds: int, barrier, o
     import torch
 
     from gossip.mixing.base import all_finite
-    from gossip.wire import CHUNK
+    from gossip.transport.wire import CHUNK
 
     x = torch.full((numel,), float(rank))
     view = memoryview(torch.full((numel,), float(rank)).numpy()).cast("B")
@@ -164,11 +164,11 @@ def _gossip(rank: int, ports: list[int], numel: int, rounds: int, barrier, out) 
 
     import torch
 
-    from gossip import wire
-    from gossip.buffers import SendLease
-    from gossip.message import Message
+    from gossip.core.buffers import SendLease
+    from gossip.core.message import Message
     from gossip.mixing.base import Inbox, all_finite, decode_payload
     from gossip.mixing.gossip import GossipRule
+    from gossip.transport import wire
     from gossip.transport.zmq import ZmqTransport
     from topologies import Topology, complete
 
@@ -298,16 +298,16 @@ def codec_overhead(numel: int, repeat: int) -> tuple[float, float, float, float]
     for one 64 MiB state message.
 
     The first decodes as a node does (the chunk frames viewed where they lie,
-    :class:`~gossip.buffers.Pieces`); the second also joins them into one
+    :class:`~gossip.core.buffers.Pieces`); the second also joins them into one
     tensor, as a consumer that needs one contiguous tensor gets it. The memcpy is into a buffer already in use, the baseline of the target; a
     clone (a copy into fresh memory) also pays for mapping and page-faulting it.
     One torch thread, as in the exchange processes (the join copies with numpy)."""
     import torch
 
-    from gossip import wire
     from gossip.compression import get_codec
-    from gossip.message import Message
+    from gossip.core.message import Message
     from gossip.mixing.base import decode_payload
+    from gossip.transport import wire
 
     torch.set_num_threads(1)
     x = torch.randn(numel)
@@ -350,7 +350,7 @@ def main() -> None:
         ap.error(f"--threads must be at least 1, got {args.threads}")
     numel = int(args.mib * 2**20 / 4)
     payload = numel * 4
-    from gossip.wire import CHUNK
+    from gossip.transport.wire import CHUNK
 
     parts = len(message_starts(payload, args.parts, CHUNK))
     paths = {  # name: (worker, label)

@@ -2,7 +2,7 @@
 
 By default it learns scikit-learn's bundled 8x8 handwritten digits (no download).
 With ``--data mnist:DIR`` or ``--data cifar10:DIR`` it reads the standard MNIST
-IDX files or CIFAR-10 python batches you already have (see :mod:`gossip.datasets`).
+IDX files or CIFAR-10 python batches you already have (see :mod:`gossip.training.datasets`).
 
     python examples/image_classification.py                  # 8 nodes, exponential graph, digits
     python examples/image_classification.py --short          # the CI form: asserts accuracy
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gossip
-from gossip.tasks import ClassificationTask
-from gossip.peer import resolve_device
+from gossip.training.node import resolve_device
+from gossip.training.tasks import ClassificationTask
 
 SHORT_MIN_ACCURACY = 0.90  # the short form's pass mark on digits (it reaches ~0.99)
 
@@ -148,8 +148,8 @@ def digits_data(data_seed: int = 0) -> tuple[tuple[torch.Tensor, torch.Tensor], 
 
 
 def file_data(spec: str) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """``mnist:DIR`` or ``cifar10:DIR`` through :mod:`gossip.datasets` (uint8 images)."""
-    from gossip.datasets import load_cifar10, load_mnist
+    """``mnist:DIR`` or ``cifar10:DIR`` through :mod:`gossip.training.datasets` (uint8 images)."""
+    from gossip.training.datasets import load_cifar10, load_mnist
 
     kind, sep, directory = spec.partition(":")
     loaders = {"mnist": load_mnist, "cifar10": load_cifar10}

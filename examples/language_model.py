@@ -30,9 +30,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import gossip
-from gossip.data import BatchStream, Split, node_seed, parse_split, split_indices
-from gossip.tasks import Task
-from gossip.peer import resolve_device
+from gossip.training.data import (
+    BatchStream,
+    Split,
+    node_seed,
+    parse_split,
+    split_indices,
+)
+from gossip.training.node import resolve_device
+from gossip.training.tasks import Task
 
 # The short form must beat the unigram baseline by this factor (it reaches ~0.4x).
 SHORT_MAX_PERPLEXITY_RATIO = 0.6

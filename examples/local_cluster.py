@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Sequence
 
-from gossip.ports import free_ports
+from gossip.transport.ports import free_ports
 
 NODE_MAIN = "import sys; from gossip.cli import node_main; sys.exit(node_main())"
 SHORT_NODES, SHORT_STEPS = 3, 50

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import gossip
-from gossip.tasks import SyntheticTask
+from gossip.training.tasks import SyntheticTask
 
 
 def main() -> None:

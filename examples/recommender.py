@@ -32,10 +32,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import gossip
-from gossip.data import BatchStream, Split, node_seed, parse_split, split_indices
-from gossip.datasets import Ratings, load_movielens
-from gossip.tasks import Task
-from gossip.peer import resolve_device
+from gossip.training.data import (
+    BatchStream,
+    Split,
+    node_seed,
+    parse_split,
+    split_indices,
+)
+from gossip.training.datasets import Ratings, load_movielens
+from gossip.training.node import resolve_device
+from gossip.training.tasks import Task
 
 # Short-form pass marks: the uncompressed model must beat predicting the training mean
 # by this factor, and int8 must cost at most this much extra RMSE for ~1/4 of the bytes.

@@ -25,11 +25,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-
 import gossip
 import topologies as T
 from gossip.plot import plot_runs, read_metrics
-from gossip.peer import resolve_device
+from gossip.training.node import resolve_device
 
 # (topology spec, mixing rule): one-peer exponential changes every round, which needs push-sum
 STUDY = (

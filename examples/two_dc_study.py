@@ -40,11 +40,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-
 import gossip
 from gossip.compression import get_codec
 from gossip.plot import plot_runs, read_metrics
-from gossip.peer import resolve_device
+from gossip.training.node import resolve_device
 
 INTRA_LINK = "latency=0.2ms,bandwidth=10Gbit"
 INTER_BANDWIDTH = "100Mbit"

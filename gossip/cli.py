@@ -13,11 +13,13 @@ import math
 import sys
 from typing import Any, Sequence
 
-from gossip.detector import DEFAULT_DETECTOR, DETECTORS
+from gossip.protocol.timing import DEFAULT_DETECTOR, DETECTORS, Timing
 
 __all__ = ["sim_main", "build_sim_parser", "node_main", "build_node_parser", "mixing_settings"]
 
 EXIT_USAGE = 2
+
+TIMING = Timing()  # the defaults the flags show
 
 
 def _positive_int(name: str):
@@ -170,7 +172,7 @@ def build_sim_parser() -> argparse.ArgumentParser:
                    help="crash:N@T, join:N@T or partition:A|B@T1-T2 (node groups like 0-3,7; repeatable); a run "
                         "with faults runs every node's real control plane (gossip-node's membership, failure "
                         "detector, joins with a state pull, merges; their log lines with -v)")
-    p.add_argument("--detect", type=float, default=3.0, metavar="SEC",
+    p.add_argument("--detect", type=float, default=TIMING.dead_after, metavar="SEC",
                    help="with --fault: the failure detector's --dead-after, with --heartbeat SEC/4 and --settle "
                         "SEC/4 (default: 3)")
     p.add_argument("--detector", choices=DETECTORS, default=DEFAULT_DETECTOR,
@@ -213,7 +215,7 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.verbose)
     # every simulated node's control plane logs its view of each fault (removals, merges,
     # joins) as a real node does: dozens of lines per fault; shown with -v
-    quiet = [logging.getLogger(name) for name in ("gossip.peer", "gossip.control", "gossip.membership",
+    quiet = [logging.getLogger(name) for name in ("gossip.peer", "gossip.control", "gossip.membership",  # logger names
                                                   "gossip.detector", "gossip.simcluster")] \
         if args.fault and args.verbose <= 0 else []
     levels = [q.level for q in quiet]
@@ -237,7 +239,7 @@ def _sim(args: argparse.Namespace) -> int:
                         device=args.device, engine=args.engine)
         out: Any = args.out
         if args.tensorboard:  # the JSONL records, also as TensorBoard scalars
-            from gossip.tensorboard_log import open_metrics
+            from gossip.peer.tensorboard_log import open_metrics
 
             out = open_metrics(args.out, args.tensorboard)
         try:
@@ -299,22 +301,22 @@ def build_node_parser() -> argparse.ArgumentParser:
                                                          "node's index in the sorted member list")
     p.add_argument("--world-size", type=int, metavar="W", help="number of data shards (with --rank)")
     p.add_argument("--dc", default="", metavar="NAME", help="datacenter label; links between labels are inter-DC")
-    p.add_argument("--heartbeat", type=_positive_float("--heartbeat"), default=0.5, metavar="SEC",
-                   help="ping interval (default: 0.5)")
-    p.add_argument("--dead-after", type=_positive_float("--dead-after"), default=3.0, metavar="SEC",
-                   help="silence before a member is declared dead (default: 3)")
+    p.add_argument("--heartbeat", type=_positive_float("--heartbeat"), default=TIMING.heartbeat, metavar="SEC",
+                   help="probe interval (default: %(default)s)")
+    p.add_argument("--dead-after", type=_positive_float("--dead-after"), default=TIMING.dead_after, metavar="SEC",
+                   help="silence before a member is declared dead (default: %(default)s)")
     p.add_argument("--detector", choices=DETECTORS, default=DEFAULT_DETECTOR,
                    help="failure detector: heartbeat (every member pings every other each --heartbeat) or swim "
                         "(each pings one member per --heartbeat, with indirect probes; constant traffic per "
                         "node); every member must use the same (default: %(default)s)")
-    p.add_argument("--settle", type=float, default=2.0, metavar="SEC",
-                   help="member set stable this long before a fresh cluster starts (default: 2)")
-    p.add_argument("--join-timeout", type=_positive_float("--join-timeout"), default=60.0, metavar="SEC",
-                   help="wait this long for peers before training alone (default: 60)")
-    p.add_argument("--join-margin", type=_nonneg_int("--join-margin"), default=20, metavar="ROUNDS",
-                   help="rounds between announcing a join and adopting it (default: 20)")
-    p.add_argument("--grace", type=float, default=10.0, metavar="SEC",
-                   help="a finished node keeps serving others this long at most (default: 10)")
+    p.add_argument("--settle", type=float, default=TIMING.settle, metavar="SEC",
+                   help="member set stable this long before a fresh cluster starts (default: %(default)s)")
+    p.add_argument("--join-timeout", type=_positive_float("--join-timeout"), default=TIMING.join_timeout,
+                   metavar="SEC", help="wait this long for peers before training alone (default: %(default)s)")
+    p.add_argument("--join-margin", type=_nonneg_int("--join-margin"), default=TIMING.join_margin, metavar="ROUNDS",
+                   help="rounds between announcing a join and adopting it (default: %(default)s)")
+    p.add_argument("--grace", type=float, default=TIMING.grace, metavar="SEC",
+                   help="a finished node keeps serving others this long at most (default: %(default)s)")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here (atomic files)")
     p.add_argument("--checkpoint-every", type=_nonneg_int("--checkpoint-every"), default=0, metavar="S",
                    help="local steps between checkpoints (default: 0 = only at the end)")
@@ -372,7 +374,7 @@ def _load_toml(path: str) -> dict[str, Any]:
 
 def _own_peers(peers: list[str], listen: str, advertise: str | None) -> tuple[str, ...]:
     """Peers in order, each once, without this node (a shared host list names every node)."""
-    from gossip.membership import parse_address
+    from gossip.transport.addresses import parse_address
 
     normal = [parse_address(p, "--peers entry") for p in peers]
     me = {parse_address(listen, "--listen")}
@@ -383,7 +385,7 @@ def _own_peers(peers: list[str], listen: str, advertise: str | None) -> tuple[st
 
 def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Namespace]:
     """Parse flags (and --config), returning (PeerConfig, namespace)."""
-    from gossip.peer import PeerConfig
+    from gossip.protocol.config import PeerConfig
 
     parser = build_node_parser()
     defaults = {a.dest: a.default for a in parser._actions if a.dest != "help"}
@@ -396,13 +398,13 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
     merged.update(given)
     peers = [p.strip() for p in (merged.get("peers") or "").split(",") if p.strip()]
     if merged.get("peers_file"):
-        from gossip.launch import read_peers_file
+        from gossip.peer.launch import read_peers_file
 
         peers += read_peers_file(merged["peers_file"])
     if merged.get("slurm"):
         import os
 
-        from gossip.launch import DEFAULT_SLURM_PORT, from_slurm
+        from gossip.peer.launch import DEFAULT_SLURM_PORT, from_slurm
 
         task = from_slurm(os.environ, merged.get("slurm_port") or DEFAULT_SLURM_PORT)
         if not merged.get("listen"):  # what the flags or the config file name explicitly wins
@@ -429,6 +431,10 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
                      max_message_mb=merged["max_message_mb"], curve_keys=merged.get("curve_keys"),
                      emulate=tuple(merged.get("emulate") or ()), tensorboard=merged.get("tensorboard"),
                      detector=merged["detector"])
+    if cfg.tensorboard:
+        from gossip.peer.tensorboard_log import require_tensorboard
+
+        require_tensorboard()  # the install command, before anything starts
     args.json = bool(merged.get("json"))
     args.progress = merged.get("progress")
     args.threads = merged.get("threads")
@@ -438,7 +444,7 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
 
 def _progress_bar(peer: Any, progress: bool | None) -> Any:
     """A one-line progress bar on stderr (when it is a terminal, or forced), fed after every step."""
-    from gossip.progress import ClearBarBeforeLogging, PeerProgress, ProgressBar
+    from gossip.core.progress import ClearBarBeforeLogging, PeerProgress, ProgressBar
 
     bar = ProgressBar(peer.cfg.steps, enabled=progress)
     if not bar.enabled:
@@ -461,7 +467,8 @@ def node_main(argv: Sequence[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        from gossip.peer import Peer, PeerError
+        from gossip.peer.driver import Peer
+        from gossip.protocol.errors import PeerError
 
         peer = Peer(cfg)
     except ValueError as e:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from gossip.ports import free_port
+from gossip.transport.ports import free_port
 
 
 class NodeProc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gossip.data import BatchStream
+from gossip.training.data import BatchStream
 
 
 class VectorModel(nn.Module):
@@ -40,3 +40,11 @@ class FrozenTask:
 
 
 frozen = FrozenTask()
+
+
+def tick(control, now: float) -> list:
+    """One tick of a control plane, carried out as its driver would: the effects applied,
+    the members it declared dead returned."""
+    fx = control.tick(now)
+    control.apply(fx)
+    return fx.dead

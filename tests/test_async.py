@@ -10,13 +10,14 @@ import pytest
 import torch
 
 import gossip
-from gossip.api import SimConfig, Simulation, build_nodes
+from gossip.api import SimConfig, Simulation
 from gossip.compression import get_codec
-from gossip.message import Message
+from gossip.core.message import Message
 from gossip.mixing import AsyncGossipRule, Inbox, Staleness, make_rule, parse_staleness
 from gossip.mixing.policy import parse_link_policies
-from gossip.simulator import ComputeModel, Simulator
-from gossip.transport.sim import LAN, WAN, SimNetwork
+from gossip.sim.engine import ComputeModel, Simulator
+from gossip.sim.simulation import build_nodes
+from gossip.transport.links import LAN, WAN, SimNetwork
 from tests.helpers import FrozenTask
 from topologies import build, mixing_matrix, restrict_links
 

@@ -1,4 +1,4 @@
-"""The batched engine (gossip.batched, gossip.replicas) against the per-node engine.
+"""The batched engine (gossip.sim.batched, gossip.sim.replicas) against the per-node engine.
 
 The batched engine defers each node's local step and runs the steps due together
 as one vectorised call; nothing else changes. So for the same seed and schedule
@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from gossip.api import SimConfig, Simulation, simulate
-from gossip.batched import ENGINES, BatchedSteps, batch_support, parse_engine
 from gossip.cli import sim_main
-from gossip.lockstep import DELIVER, Lockstep
-from gossip.replicas import ReplicaRows, stacked_optimizer
-from gossip.state import FlatState
-from gossip.tasks import SyntheticTask
+from gossip.core.state import FlatState
+from gossip.sim.batched import ENGINES, BatchedSteps, batch_support, parse_engine
+from gossip.sim.lockstep import DELIVER, Lockstep
+from gossip.sim.replicas import ReplicaRows, stacked_optimizer
+from gossip.training.tasks import SyntheticTask
 
 TOL = 2e-4  # float rounding of batched matmuls, carried through a few hundred steps of mixing
 
@@ -85,7 +85,7 @@ def test_batched_engine_is_deterministic_for_a_seed():
 
 
 def test_a_run_with_faults_runs_the_real_protocol_whatever_the_engine_allows():
-    # faults run every node's real control plane (gossip.simfaults), one model at a time:
+    # faults run every node's real control plane (gossip.sim.fault_runs), one model at a time:
     # auto and per-node both mean that engine, and give the same run; the vectorised
     # engines cannot run it and say so
     cfg = SimConfig(nodes=8, task="digits", steps=150, seed=3, eval_every=100, topology="ring",
@@ -293,9 +293,9 @@ def test_parameter_groups_keep_their_own_settings():
 def test_memoised_message_sizes_are_exact():
     # the simulator memoises wire sizes by field widths; every width boundary must agree
     from gossip.compression import get_codec
-    from gossip.message import STATE, Message
-    from gossip.simulator import MessageSizes
-    from gossip.wire import message_size
+    from gossip.core.message import STATE, Message
+    from gossip.sim.engine import MessageSizes
+    from gossip.transport.wire import message_size
 
     sizes = MessageSizes()
     payloads = [get_codec("identity").encode(torch.zeros(n)) for n in (10, 300)]
@@ -590,7 +590,7 @@ def test_stacked_draws_are_each_streams_own(batch):
     stream (order, position, epoch, generator) where those calls leave it: shards of
     the batch size (a new epoch every call, one sample drawing nothing) and larger
     ones, mixed, and a stream restored mid-epoch."""
-    from gossip.data import BatchStream, StackedDraws
+    from gossip.training.data import BatchStream, StackedDraws
 
     data = (torch.arange(100),)
     sizes = [batch, batch, 5, batch, 7, batch] if batch > 1 else [1, 1, 4, 1, 1]

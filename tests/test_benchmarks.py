@@ -125,7 +125,7 @@ def test_faults_removals_name_the_victim_and_follow_the_kill():
 
     from benchmarks.faults import removals
 
-    line = "2026-12-01 10:00:0{s},{ms:03d} WARNING [127.0.0.1:6000] gossip.membership: member {m} removed: {why}"
+    line = "2026-12-01 10:00:0{s},{ms:03d} WARNING [127.0.0.1:6000] gossip.protocol.membership: member {m} removed: {why}"
     log = "\n".join([
         line.format(s=1, ms=0, m="127.0.0.1:5002", why="silent for more than 2 s"),  # before the kill
         line.format(s=3, ms=0, m="127.0.0.1:50021", why="silent for more than 2 s"),  # another member

@@ -8,11 +8,19 @@ import math
 import pytest
 import torch
 
-from gossip import wire
-from gossip.buffers import POOL_MIN, BufferPool, Chunked, Pieces, SendLease, pool, pooled_copy
 from gossip.compression import get_codec
-from gossip.message import Message
+from gossip.core.buffers import (
+    POOL_MIN,
+    BufferPool,
+    Chunked,
+    Pieces,
+    SendLease,
+    pool,
+    pooled_copy,
+)
+from gossip.core.message import Message
 from gossip.mixing.base import all_finite, decode_payload
+from gossip.transport import wire
 
 BIG = POOL_MIN // 4 * 3  # float32 values: 3 MiB, pooled
 
@@ -223,7 +231,7 @@ def test_a_live_send_encodes_x_itself():
 def test_rehome_moves_parameters_and_keeps_the_old_memory_for_its_readers():
     from torch import nn
 
-    from gossip.state import FlatState
+    from gossip.core.state import FlatState
 
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     st = FlatState(model)

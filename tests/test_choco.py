@@ -10,13 +10,21 @@ import pytest
 import torch
 
 import gossip
-from gossip import wire
-from gossip.api import SimConfig, build_nodes, consensus_distance
-from gossip.message import STATE, Message
-from gossip.mixing import ALGORITHMS, ChocoRule, GossipRule, Inbox, PushSumRule, make_rule
+from gossip.api import SimConfig, consensus_distance
+from gossip.core.message import STATE, Message
+from gossip.mixing import (
+    ALGORITHMS,
+    ChocoRule,
+    GossipRule,
+    Inbox,
+    PushSumRule,
+    make_rule,
+)
 from gossip.mixing.tune import choco_consensus, tune_gamma
-from gossip.simulator import ComputeModel, Simulator
-from gossip.transport.sim import LAN, WAN, LinkModel, SimNetwork
+from gossip.sim.engine import ComputeModel, Simulator
+from gossip.sim.simulation import build_nodes
+from gossip.transport import wire
+from gossip.transport.links import LAN, WAN, LinkModel, SimNetwork
 from tests.helpers import FrozenTask
 from topologies import build, mixing_matrix, ring
 
@@ -226,7 +234,7 @@ def test_state_dict_round_trip_continues_identically():
     for _ in range(4):
         link.round()
     states = []
-    for r in link.rules:  # through a checkpoint file, loaded as gossip.checkpoint does
+    for r in link.rules:  # through a checkpoint file, loaded as gossip.core.checkpoint does
         buf = io.BytesIO()
         torch.save(r.state_dict(), buf)
         buf.seek(0)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gossip.datasets import load_cifar10, load_idx, load_mnist, load_movielens
+from gossip.training.datasets import load_cifar10, load_idx, load_mnist, load_movielens
 
 IDX_CODES = {np.uint8: 0x08, np.int8: 0x09, np.int16: 0x0B, np.int32: 0x0C, np.float32: 0x0D, np.float64: 0x0E}
 

@@ -1,4 +1,4 @@
-"""The data-parallel reference (gossip.ddp): exact gradient averaging every step."""
+"""The data-parallel reference (gossip.sim.ddp): exact gradient averaging every step."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import gossip
-from gossip.ddp import allreduce_bytes, ddp_reference
-from gossip.tasks import SyntheticTask
+from gossip.sim.ddp import allreduce_bytes, ddp_reference
+from gossip.training.tasks import SyntheticTask
 
 
 class AdamTask(SyntheticTask):

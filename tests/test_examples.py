@@ -167,7 +167,7 @@ def test_topology_study_short_form_writes_jsonl_and_png(tmp_path):
     ("examples.recommender:task", "rmse"),
 ])
 def test_task_factories_follow_the_task_protocol(spec, metric):
-    from gossip.tasks import get_task
+    from gossip.training.tasks import get_task
 
     task = get_task(spec)
     model = task.model()

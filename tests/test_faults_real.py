@@ -15,11 +15,12 @@ import pytest
 import torch
 import zmq
 
-from gossip import wire
-from gossip.checkpoint import latest_checkpoint, load_checkpoint
-from gossip.message import Message
-from gossip.peer import Peer, PeerConfig
 from benchmarks.faults import JOINED_AT, heal_measured
+from gossip.core.checkpoint import latest_checkpoint, load_checkpoint
+from gossip.core.message import Message
+from gossip.peer.driver import Peer
+from gossip.protocol.config import PeerConfig
+from gossip.transport import wire
 from tests.cluster import Cluster, free_port, wait_for_step
 
 FAST = ["--heartbeat", "0.25", "--dead-after", "2", "--settle", "1", "--grace", "5", "--timeout", "5"]
@@ -246,7 +247,7 @@ USER_LOOP = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     import gossip
-    from gossip.tasks import SyntheticTask
+    from gossip.training.tasks import SyntheticTask
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     listen, peers, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -331,7 +332,7 @@ def test_a_paused_user_loop_declared_dead_joins_again_by_itself(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from gossip.checkpoint import save_checkpoint
+    from gossip.core.checkpoint import save_checkpoint
     d = sys.argv[1]
     step = int(sys.argv[2])
     x = torch.randn(2_000_000, generator=torch.Generator().manual_seed(0))
@@ -375,7 +376,7 @@ def test_kill_9_during_checkpoints_never_leaves_a_corrupt_file(tmp_path):
 
 
 def test_members_file_round_trip_and_damage(tmp_path):
-    from gossip.checkpoint import load_members, save_members
+    from gossip.core.checkpoint import load_members, save_members
 
     assert load_members(tmp_path) == []
     save_members(tmp_path, ["127.0.0.1:2", "127.0.0.1:1"])
@@ -387,7 +388,7 @@ def test_members_file_round_trip_and_damage(tmp_path):
 def test_a_resumed_node_says_hello_to_the_members_it_last_trained_with(tmp_path):
     """Besides its seeds, a node started with --resume asks the members recorded
     beside its checkpoints (members.json), at once: its seeds may be restarting too."""
-    from gossip.checkpoint import save_members
+    from gossip.core.checkpoint import save_members
 
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)

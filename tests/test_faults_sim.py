@@ -1,5 +1,5 @@
 """Partitions and churn in the simulator: every node's real control plane
-(gossip.simfaults on gossip.simcluster), so detection, joins and merges are the
+(gossip.sim.fault_runs on gossip.sim.cluster), so detection, joins and merges are the
 protocol's. Training starts after discovery (``settle``, a quarter of ``detect``
 here), a little after time 0."""
 
@@ -10,9 +10,8 @@ import torch
 
 import gossip
 from gossip.api import Simulation
-from gossip.detector import detection_bound
-from gossip.faults import parse_faults
-from gossip.simcluster import node_id
+from gossip.sim.cluster import node_id
+from gossip.sim.faults import parse_faults
 
 torch.set_num_threads(1)  # tiny models: threads only contend
 
@@ -49,11 +48,10 @@ def restarted(detector="heartbeat"):
 
 def late_detection(sim) -> float:
     """How much later than the heartbeat detector the run's detector may find a crash,
-    at worst (gossip.detector.detection_bound: SWIM's bound is loose, its usual delay a
+    at worst (gossip.protocol.timing.Timing.detection_bound: SWIM's bound is loose, its usual delay a
     few periods more than the heartbeat's)."""
     t, n = sim.timing, sim.config.nodes
-    return detection_bound(sim.config.detector, n, t["heartbeat"], t["dead_after"]) - \
-        detection_bound("heartbeat", n, t["heartbeat"], t["dead_after"])
+    return t.detection_bound(sim.config.detector, n) - t.detection_bound("heartbeat", n)
 
 
 def at(history, t):
@@ -171,18 +169,19 @@ def test_the_real_nodes_train_as_the_fault_free_simulator_does(mixing):
 
 
 def test_detect_sets_the_real_detector_and_bad_combinations_are_refused():
-    from gossip.simfaults import detector_settings
+    from gossip.protocol.timing import Timing
 
-    t = detector_settings(0.4, 0.01)
-    assert (t["dead_after"], t["heartbeat"], t["settle"], t["grace"]) == (0.4, 0.1, 0.1, 1.0)
-    assert t["join_margin"] == 10 and detector_settings(3.0, 0.01)["join_margin"] == 20
+    t = Timing.from_detect(0.4, 0.01)
+    assert (t.dead_after, t.heartbeat, t.settle, t.grace) == (0.4, 0.1, 0.1, 1.0)
+    assert t.join_margin == 10 and Timing.from_detect(3.0, 0.01).join_margin == 20
     sim = Simulation(nodes=4, steps=10, faults=["crash:1@0.05"], detect=0.4)
     cfg = sim.cluster.procs[0].cfg
     assert (cfg.dead_after, cfg.heartbeat, cfg.rank, cfg.world_size) == (0.4, 0.1, 0, 4)
     import networkx as nx
 
-    from gossip.detector import DEFAULT_DETECTOR, HeartbeatDetector
-    from gossip.swim_detector import SwimDetector
+    from gossip.protocol.detector import HeartbeatDetector
+    from gossip.protocol.swim_detector import SwimDetector
+    from gossip.protocol.timing import DEFAULT_DETECTOR
 
     assert cfg.detector == DEFAULT_DETECTOR
     for name, kind in (("heartbeat", HeartbeatDetector), ("swim", SwimDetector)):
@@ -214,9 +213,9 @@ def test_fault_schedule_parsing():
 
 
 def test_cli_fault_flag(capsys):
-    from gossip.cli import sim_main
-
     import logging
+
+    from gossip.cli import sim_main
 
     before = logging.getLogger("gossip.membership").level
     assert sim_main(["--nodes", "4", "--steps", "20", "--fault", "crash:1@0.05", "--detect", "0.05", "--json"]) == 0

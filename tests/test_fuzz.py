@@ -36,10 +36,11 @@ import pytest
 import torch
 import zmq
 
-from gossip import wire
 from gossip.compression import get_codec
-from gossip.message import Message
-from gossip.peer import Peer, PeerConfig
+from gossip.core.message import Message
+from gossip.peer.driver import Peer
+from gossip.protocol.config import PeerConfig
+from gossip.transport import wire
 from tests.cluster import Cluster, free_port
 
 STEPS = 3000  # long enough that A is still training when the last hostile message lands

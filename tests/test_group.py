@@ -18,14 +18,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip.group import Decision, GroupError, GroupSizeError, check_group_sizes, group_env, rank_address, \
-    start_group
-from gossip.group_run import main
-from gossip.membership import topology_for
-from gossip.node import init_model
-from gossip.ports import free_ports
-from gossip.state import FlatState
-from gossip.tasks import get_task
+from gossip.core.state import FlatState
+from gossip.groups.group import (
+    Decision,
+    GroupError,
+    GroupSizeError,
+    check_group_sizes,
+    group_env,
+    rank_address,
+    start_group,
+)
+from gossip.groups.run import main
+from gossip.protocol.membership import topology_for
+from gossip.training.node import init_model
+from gossip.training.tasks import get_task
+from gossip.transport.ports import free_ports
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LIMIT = 90  # seconds a group run may take before it counts as hung
@@ -50,7 +57,7 @@ def _rank_main(env: dict[str, str], argv: list[str], out: str, err: str) -> None
         os.environ.pop(var, None)
     os.environ.update(env)
     torch.set_num_threads(1)
-    from gossip.group_run import main
+    from gossip.groups.run import main
 
     code = main(argv)
     sys.stdout.flush()
@@ -69,7 +76,7 @@ def _context():
         import multiprocessing
 
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed.fsdp", "gossip.group_run", "tests.test_group"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed.fsdp", "gossip.groups.run", "tests.test_group"])
     return _CTX
 
 
@@ -249,7 +256,7 @@ def test_environment_and_argument_errors_name_what_is_wrong() -> None:
 
 
 def _member(gid: str, groups: list[str], values: torch.Tensor, **kwargs):
-    from gossip.group_member import GroupMember
+    from gossip.groups.member import GroupMember
 
     group = start_group("ddp", "cpu", environ={})
     model = torch.nn.Linear(64, 32)
@@ -306,7 +313,7 @@ def test_a_send_still_in_flight_when_mixing_moves_the_parameters_and_sends_the_v
 
 def test_the_simulator_models_a_group_as_one_node_whose_exchange_runs_k_streams() -> None:
     import gossip
-    from gossip.transport.sim import LinkModel, SimNetwork, group_link, parse_link
+    from gossip.transport.links import LinkModel, SimNetwork, group_link, parse_link
 
     link = parse_link("latency=5ms,bandwidth=100Mbit,streams=4")
     assert link.bandwidth == 4e8 and link.latency == 0.005
@@ -331,8 +338,8 @@ def test_the_simulator_models_a_group_as_one_node_whose_exchange_runs_k_streams(
 def test_control_traffic_reaches_rank_0s_control_plane_through_the_rank_s_own_connection(monkeypatch) -> None:
     import threading
 
-    from gossip import wire
-    from gossip.message import Message
+    from gossip.core.message import Message
+    from gossip.transport import wire
 
     for var in TORCHRUN_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -360,9 +367,9 @@ def test_control_traffic_reaches_rank_0s_control_plane_through_the_rank_s_own_co
 def test_the_examples_in_the_docstrings_hold() -> None:
     import doctest
 
-    import gossip.group
+    import gossip.groups.group
 
-    result = doctest.testmod(gossip.group)
+    result = doctest.testmod(gossip.groups.group)
     assert result.attempted >= 5 and result.failed == 0
 
 
@@ -410,7 +417,8 @@ def test_rank_0s_control_plane_drops_a_silent_group_and_ends_the_wait_for_it_in_
         monkeypatch) -> None:
     """Two groups of one in this process, each with its control plane: b goes silent in the
     middle of a round; a stops waiting once b is declared dead, not at the round's timeout."""
-    from gossip.group_control import GroupControl
+    from gossip.groups.control import GroupControl
+    from gossip.protocol.timing import Timing
 
     for var in TORCHRUN_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -419,8 +427,9 @@ def test_rank_0s_control_plane_drops_a_silent_group_and_ends_the_wait_for_it_in_
     _, va, ma = _member(a, [a, b], torch.zeros(n), timeout=60.0)
     _, vb, mb = _member(b, [a, b], torch.full((n,), 2.0), timeout=60.0)
     dead_after, heartbeat = 0.6, 0.05
-    pa = ma.plane = GroupControl(ma, heartbeat=heartbeat, dead_after=dead_after)
-    mb.plane = GroupControl(mb, heartbeat=heartbeat, dead_after=dead_after)
+    timing = Timing(heartbeat=heartbeat, dead_after=dead_after)
+    pa = ma.plane = GroupControl(ma, timing=timing)
+    mb.plane = GroupControl(mb, timing=timing)
     with ma, mb:
         ma.plane.start()
         mb.plane.start()
@@ -447,8 +456,8 @@ def test_a_compressed_rule_or_an_outer_optimizer_on_each_shard_is_the_same_on_th
     """CHOCO with int8 and DiLoCo's outer Nesterov per shard (each rank its own connection)
     against the same on whole models: with shard boundaries on the codec's block
     boundaries they agree exactly."""
-    from gossip.group import Group, GroupEnv
-    from gossip.group_member import GroupMember
+    from gossip.groups.group import Group, GroupEnv
+    from gossip.groups.member import GroupMember
     from gossip.mixing.settings import MixingSettings
 
     for var in TORCHRUN_VARS:
@@ -521,8 +530,8 @@ def test_a_group_resumes_from_its_sharded_checkpoint_where_it_left_off(tmp_path:
         assert all(c == 0 for c in codes.values()), {n: ranks.err(n)[-2000:] for n in codes}
     resumed = torch.load(tmp_path / f"params-{port}.pt")
     assert _max_diff(resumed, straight) == 0.0  # the optimizer's momentum and the data position came back too
-    from gossip.group import Group, GroupEnv
-    from gossip.group_checkpoint import latest_group_checkpoint, load_group_checkpoint
+    from gossip.groups.checkpoint import latest_group_checkpoint, load_group_checkpoint
+    from gossip.groups.group import Group, GroupEnv
 
     latest = latest_group_checkpoint(ck)
     assert latest is not None and latest.name == "step-00000002"
@@ -641,7 +650,7 @@ class Torchruns:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.k),
                    "--master-addr", "127.0.0.1", "--master-port", str(self.masters[name]), "--monitor-interval", "0.1",
                    "--max-restarts", str(self.restarts.get(name, 0)),
-                   "-m", "gossip.group_run", "--group", gid, "--groups", ",".join(self.groups.values()),
+                   "-m", "gossip.groups.run", "--group", gid, "--groups", ",".join(self.groups.values()),
                    "--intra", "fsdp", "--task", TASK, "--seed", str(SEED), "--steps", "1000000", "--period", "2",
                    "--timeout", "30", "--connect-timeout", "60", "--join-timeout", "60",
                    "--heartbeat", str(HEARTBEAT), "--dead-after", str(DEAD_AFTER),

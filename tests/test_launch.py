@@ -23,10 +23,21 @@ from pathlib import Path
 import pytest
 
 from gossip.cli import node_config_from_args, node_main, sim_main
-from gossip.launch import expand_hostlist, from_slurm, parse_peer_entries, read_peers_file, tasks_per_node
-from gossip.ports import free_ports
-from gossip.progress import ClearBarBeforeLogging, PeerProgress, ProgressBar
-from gossip.tensorboard_log import INSTALL_HINT, SCALARS, MetricsSink, TensorBoardLog
+from gossip.core.progress import ClearBarBeforeLogging, PeerProgress, ProgressBar
+from gossip.peer.launch import (
+    expand_hostlist,
+    from_slurm,
+    parse_peer_entries,
+    read_peers_file,
+    tasks_per_node,
+)
+from gossip.peer.tensorboard_log import (
+    INSTALL_HINT,
+    SCALARS,
+    MetricsSink,
+    TensorBoardLog,
+)
+from gossip.transport.ports import free_ports
 from tests.cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +204,7 @@ def test_slurm_flag_fills_the_config_and_explicit_flags_win(monkeypatch, tmp_pat
     # the same from a config file
     toml = tmp_path / "node.toml"
     toml.write_text('slurm = true\nslurm-port = 6100\nprogress = false\ntensorboard = "tb"\n')
-    monkeypatch.setattr("gossip.tensorboard_log.require_tensorboard", lambda: None)
+    monkeypatch.setattr("gossip.peer.tensorboard_log.require_tensorboard", lambda: None)
     cfg, args = node_config_from_args(["--config", str(toml)])
     assert cfg.node_id == "node01:6101" and args.progress is False and cfg.tensorboard == "tb"
     cfg, args = node_config_from_args(["--config", str(toml), "--progress"])
@@ -331,7 +342,7 @@ def fake_summary_writer(monkeypatch):
     """torch.utils.tensorboard replaced by FakeWriter, whether or not tensorboard is installed."""
     FakeWriter.instances.clear()
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
-    monkeypatch.setattr("gossip.tensorboard_log.require_tensorboard", lambda: None)
+    monkeypatch.setattr("gossip.peer.tensorboard_log.require_tensorboard", lambda: None)
     return FakeWriter.instances
 
 
@@ -527,7 +538,9 @@ def test_slurm_job_script_under_a_fake_srun(tmp_path):
         metrics = [json.loads(x) for x in (tmp_path / "out" / f"node-{i}.jsonl").read_text().splitlines()]
         assert metrics[-1]["event"] == "summary" and metrics[-1]["node"] == ids[i]
         if tb:
-            from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+            from tensorboard.backend.event_processing.event_accumulator import (
+                EventAccumulator,
+            )
 
             ea = EventAccumulator(str(tmp_path / "tb" / ids[i].replace(":", "_")))
             ea.Reload()

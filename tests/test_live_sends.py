@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gossip import wire
-from gossip.buffers import Pieces
+from gossip.core.actions import Release, Send
+from gossip.core.buffers import Pieces
 from gossip.mixing import make_rule
-from gossip.node import Node, NodeConfig, Release, Send
+from gossip.training.node import Node, NodeConfig
+from gossip.transport import wire
 from tests.helpers import FrozenTask
 from topologies import Topology, complete
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 
-from gossip.control import ControlPlane
-from gossip.membership import Membership
-from gossip.message import Message
+from gossip.core.message import Message
+from gossip.protocol.control import ControlPlane
+from gossip.protocol.membership import Membership
+from gossip.protocol.timing import Timing
+from tests.helpers import tick
 
 FP = "f" * 16
 
@@ -22,11 +24,11 @@ class Plane:
         self.excluded: list[tuple[int, str]] = []
         self.merges: list[tuple[str, set[str]]] = []  # (by, the cluster to join)
         self.status, self.round = status, rnd
-        self.m = Membership(me, 1, FP, dead_after=2.0)
+        self.m = Membership(me, 1, FP, timing=Timing(dead_after=2.0))
         self.m.training = status == "training"
         self.m.heard(me, 1, 0.0)
         self.cp = ControlPlane(me, 1, FP, "", self.m, threading.RLock(), lambda d, m: self.sent.append((d, m)),
-                               lambda m: None, lambda: (self.status, self.round, 0), heartbeat=0.5, seeds=seeds,
+                               lambda m: None, lambda: (self.status, self.round, 0), timing=self.m.timing, seeds=seeds,
                                reconnect=self.reconnected.append,
                                excluded=self._excluded, detector="heartbeat")
 
@@ -38,7 +40,7 @@ class Plane:
 
     def receive(self, kind: str, sender: str, inc: int = 1, *, status: str = "waiting", rnd: int = 0,
                 **extra) -> None:
-        from gossip import wire
+        from gossip.transport import wire
 
         x = {"inc": inc, "status": status, "dc": "", **extra}
         frames = wire.encode(Message(kind, sender, rnd, 0, 0, None, None, x, FP))
@@ -53,7 +55,7 @@ def _keep_alive(p: Plane, alive: list[str], start: float, end: float) -> None:
         for a in alive:
             if a in p.m.members:
                 p.m.heard(a, p.m.members[a].incarnation, t)
-        p.cp.tick(t)
+        tick(p.cp, t)
         t += 0.5
 
 
@@ -82,7 +84,7 @@ def test_a_restarted_member_is_scheduled_as_a_joiner_after_its_old_life_leaves()
     assert a.m.at_round(100) == ["10.0.0.1:1", "10.0.0.2:1"]
     a.receive("hello", "10.0.0.2:1", inc=2)  # same id, a new life (it was killed and restarted)
     join = a.m.joins["10.0.0.2:1"]
-    assert join >= 100 + a.m.join_margin
+    assert join >= 100 + a.m.timing.join_margin
     # its old life no longer counts; the new one takes part from the announced round on
     assert "10.0.0.2:1" not in a.m.base and "10.0.0.2:1" not in a.m.leaves
     assert a.m.at_round(join - 1) == ["10.0.0.1:1"] and a.m.at_round(join) == ["10.0.0.1:1", "10.0.0.2:1"]
@@ -108,7 +110,7 @@ def test_a_new_life_learned_first_from_a_member_list_still_ends_the_counted_life
     assert b not in pa.m.leaves
     schedule = pa.m.schedule_digest()
     pa.receive("ping", b, inc=2, status="training", rnd=3)
-    assert pa.m.leaves[b] == 100 + pa.m.leave_margin and pa.m.lives[b] == 1
+    assert pa.m.leaves[b] == 100 + pa.m.timing.leave_margin and pa.m.lives[b] == 1
     assert pa.m.eventual() == {a, c}
     # a's pings carry the new schedule digest: members that differ ask for its lists
     assert pa.m.schedule_digest() != schedule
@@ -154,7 +156,7 @@ def test_a_live_node_learns_the_cluster_dropped_it_and_joins_as_a_new_life():
     other.m.remove(b, "silent")  # what its failure detector did during the pause
     other.receive("hello", b, inc=2, base=[a])
     join = other.m.joins[b]
-    assert join >= 60 + other.m.join_margin and other.m.at_round(join) == [a, b]
+    assert join >= 60 + other.m.timing.join_margin and other.m.at_round(join) == [a, b]
     announced = [m for d, m in other.sent if m.kind == "members"][-1]
     me.receive("members", a, status="training", rnd=60, mids=[a, b], mincs=[1, 2], base=sorted(other.m.base),
                jids=announced.extra["jids"], jrounds=announced.extra["jrounds"], lids=[b], lrounds=[45])
@@ -171,17 +173,17 @@ def test_a_node_that_stalled_does_not_count_its_own_stall_as_the_members_silence
     a, b = "10.0.0.1:1", "10.0.0.2:1"
     me = Plane(a, status="training")
     me.m.heard(b, 1, 0.0, status="training")
-    assert me.cp.tick(0.0) == [] and me.cp.tick(0.5) == []
-    assert me.cp.tick(30.0) == []  # 29.5 s without a tick: we were stopped, not b
+    assert tick(me.cp, 0.0) == [] and tick(me.cp, 0.5) == []
+    assert tick(me.cp, 30.0) == []  # 29.5 s without a tick: we were stopped, not b
     assert b in me.m.members
     # from then on b's silence counts as usual: dead once it is longer than dead_after (2 s)
-    assert [me.cp.tick(t) for t in (30.5, 31.0, 31.5, 32.0)] == [[], [], [], [b]]
+    assert [tick(me.cp, t) for t in (30.5, 31.0, 31.5, 32.0)] == [[], [], [], [b]]
     # a normal gap is silence as usual
     c = Plane(a, status="training")
     c.m.heard(b, 1, 0.0, status="training")
     for t in (0.0, 0.5, 1.0, 1.5, 2.0):
-        assert c.cp.tick(t) == []
-    assert c.cp.tick(2.5) == [b]
+        assert tick(c.cp, t) == []
+    assert tick(c.cp, 2.5) == [b]
 
 
 def test_a_waiting_node_that_stalled_settles_again_on_what_the_members_say_after_it():
@@ -196,9 +198,9 @@ def test_a_waiting_node_that_stalled_settles_again_on_what_the_members_say_after
     for t in (0.0, 0.5, 1.0):
         me.cp.now = t
         me.receive("ping", b, digest=me.m.digest())
-        me.cp.tick(t)
+        tick(me.cp, t)
     assert me.cp.settled(2.5, 1.0) == (True, "")  # without a stall: settled
-    me.cp.tick(30.0)  # 29 s without a tick: this node was stopped
+    tick(me.cp, 30.0)  # 29 s without a tick: this node was stopped
     me.cp.now = 30.0
     me.receive("ping", b, digest=me.m.digest())  # the backlog, drained as it wakes
     assert me.cp.settled(30.0, 1.0)[0] is False
@@ -228,7 +230,7 @@ def test_a_node_waiting_for_its_join_does_not_drop_a_member_it_cannot_hear():
     me.receive("members", c, status="training", rnd=40, mids=[a, b, c], mincs=[1, 2, 1], base=[a, c], jids=[b],
                jrounds=[60])
     me.m.members[c].last_seen = 3.0
-    assert me.cp.tick(3.0) == [a]  # a was silent for more than dead_after: removed from the table
+    assert tick(me.cp, 3.0) == [a]  # a was silent for more than dead_after: removed from the table
     assert a not in me.m.members and a not in me.m.leaves  # but no leave round: we do not train
     me.receive("ping", a, status="training", rnd=45)  # a speaks: it was alive all along
     assert me.m.at_round(60) == [a, b, c]  # the same members a and c train with from round 60
@@ -237,7 +239,7 @@ def test_a_node_waiting_for_its_join_does_not_drop_a_member_it_cannot_hear():
     other = Plane(c, status="training", rnd=40)
     other.m.heard(a, 1, 0.0, status="training", round=40)
     other.m.start([a, c])
-    assert other.cp.tick(3.0) == [a] and a in other.m.leaves
+    assert tick(other.cp, 3.0) == [a] and a in other.m.leaves
 
 
 def _split(me: str, starters: list[str], other_side: list[str], rnd: int) -> Plane:
@@ -294,7 +296,7 @@ def test_the_halves_of_a_healed_partition_meet_and_the_smaller_joins_the_larger(
     assert small.m.base == set()  # b2 still trains in the smaller cluster: not its lists
     big.receive("hello", b1, inc=2, status="waiting", rnd=0, **_lists(small))
     join = big.m.joins[b1]
-    assert join >= 60 + big.m.join_margin and big.m.at_round(join) == [a1, a2, a3, b1]
+    assert join >= 60 + big.m.timing.join_margin and big.m.at_round(join) == [a1, a2, a3, b1]
     small.receive("members", a1, status="training", rnd=60, **_lists(big))
     assert small.m.joins[b1] == join and small.m.at_round(join) == [a1, a2, a3, b1]
 
@@ -345,7 +347,7 @@ def test_members_declared_dead_are_asked_now_and_then_whether_they_are_back():
     for i in range(0, 81):  # 40 s of heartbeats
         t = i * 0.5
         before = len(me.sent)
-        me.cp.tick(t)
+        tick(me.cp, t)
         hellos += [t for d, m in me.sent[before:] if d == b and m.kind == "hello"]
     # declared dead at 2.5 s; hellos after dead_after (2 s), backing off to 8 s apart
     assert hellos == [4.5, 6.5, 10.5, 18.5, 26.5, 34.5]
@@ -353,7 +355,7 @@ def test_members_declared_dead_are_asked_now_and_then_whether_they_are_back():
     before = len(me.sent)
     for t in (40.5, 41.0, 41.5, 42.0, 42.5, 43.0):
         me.m.heard(b, 1, t)
-        me.cp.tick(t)
+        tick(me.cp, t)
     assert me.cp.probes == {} and [m.kind for d, m in me.sent[before:] if d == b] == ["ping"] * 6
 
 
@@ -473,7 +475,7 @@ def test_a_new_life_decides_that_its_cluster_finished_only_from_what_it_heard_si
     me.m.heard(e, 1, 1.0, status="done", round=900)  # of an earlier cluster: finished long ago
     me.m.start([a, b, c, d])
     me.m.remove(d, "said goodbye", departed=True, now=2.0)  # an earlier goodbye
-    me.cp.tick(2.0)
+    tick(me.cp, 2.0)
     me.m.members[c].status = "done"  # a leftover status, told before this life
     me.m.members[c].status_at = 2.5
     me.status = "waiting"
@@ -589,7 +591,7 @@ def test_a_cluster_whose_starters_all_restarted_still_schedules_joins():
     assert pa.m.base == set()
     pa.receive("hello", c, inc=1, status="waiting")  # a newcomer
     join = pa.m.joins.get(c)
-    assert join is not None and join >= 100 + pa.m.join_margin
+    assert join is not None and join >= 100 + pa.m.timing.join_margin
     reply = [m for d, m in pa.sent if d == c and m.kind == "members"][-1]
     assert reply.extra["base"] == [] and c in reply.extra["jids"]  # the schedule travels
     pc = Plane(c)
@@ -600,16 +602,16 @@ def test_a_cluster_whose_starters_all_restarted_still_schedules_joins():
 def test_the_docstring_examples_of_membership_hold():
     import doctest
 
-    import gossip.membership
+    import gossip.protocol.membership
 
-    result = doctest.testmod(gossip.membership)
+    result = doctest.testmod(gossip.protocol.membership)
     assert result.attempted >= 8 and result.failed == 0
 
 
 def test_a_neighbour_far_behind_is_out_of_step_and_one_far_ahead_means_this_node_is():
     """The wedge under churn: four nodes near round 122,700 waited every round for a
     live member that trained at round 47,937 from a stale checkpoint."""
-    from gossip.membership import out_of_step
+    from gossip.protocol.membership import out_of_step
 
     awaited = {"a": ("training", 47_937), "b": ("training", 122_699), "c": ("waiting", 0), "d": ("done", 10)}
     assert out_of_step(122_700, awaited, 25) == (["a"], None)
@@ -640,22 +642,25 @@ def test_silence_from_a_new_life_read_of_in_a_list_is_no_leave_for_its_join():
 
 
 def test_the_heartbeat_detector_probes_everyone_each_heartbeat_and_declares_the_silent_dead():
-    from gossip.detector import HeartbeatDetector
+    from gossip.protocol.detector import HeartbeatDetector
 
     a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
-    m = Membership(a, 1, FP, dead_after=2.0)
+    m = Membership(a, 1, FP, timing=Timing(dead_after=2.0))
     m.heard(b, 1, 0.0)
     m.heard(c, 1, 0.0)
-    d = HeartbeatDetector(m, heartbeat=0.5)
+    d = HeartbeatDetector(m, m.timing, lambda kind, fields: Message(kind, a, 0, 0, 0, None, None, fields, FP))
+
+    def probes(out):
+        return [(dst, msg.kind) for dst, msg in out.sends]
     first = d.tick(0.5)
-    assert first.probes == [(b, "ping"), (c, "ping")] and first.dead == [] and not first.stalled
-    assert d.tick(0.6).probes == []  # not due again before the next heartbeat
+    assert probes(first) == [(b, "ping"), (c, "ping")] and first.dead == [] and not first.stalled
+    assert probes(d.tick(0.6)) == []  # not due again before the next heartbeat
     t = 1.0
     while t <= 2.5:
         d.heard(b, t)
         out = d.tick(t)
         t += 0.5
-    assert out.dead == [c] and out.probes == [(b, "ping")]
+    assert out.dead == [c] and probes(out) == [(b, "ping")]
     stalled = d.tick(30.0)  # 27.5 s without a tick: this node did not run
     assert stalled.stalled > 20 and b not in stalled.dead
 
@@ -663,7 +668,7 @@ def test_the_heartbeat_detector_probes_everyone_each_heartbeat_and_declares_the_
 def test_the_control_plane_acts_on_its_detector_s_verdicts():
     """The interface a SWIM detector plugs into: its dead become announced leaves, its
     probes are sent as messages of their kind carrying the member digest."""
-    from gossip.detector import Verdicts
+    from gossip.protocol.effects import Verdicts
 
     class Scripted:
         def __init__(self):
@@ -685,13 +690,13 @@ def test_the_control_plane_acts_on_its_detector_s_verdicts():
         p.m.heard(x, 1, 0.0, status="training", round=10)
     p.m.start([a, b, c])
     p.cp.now = 1.0
-    from gossip import wire
+    from gossip.transport import wire
 
     frames = wire.encode(Message("state", b, 10, 10, 1, None, None, {}, FP))
     p.cp.on_frames(b.encode(), [bytes(memoryview(f)) for f in frames])
     assert det.heard_from == [(b, 1.0)]  # a state message counts as word from b
-    det.next = Verdicts(probes=[(b, "ping")], dead=[c])
-    assert p.cp.tick(1.5) == [c]
+    det.next = Verdicts(sends=[(b, p.cp._frame("ping", {}))], dead=[c])
+    assert tick(p.cp, 1.5) == [c]
     assert c not in p.m.members and p.m.leaves.get(c, 0) > 10  # a leave round, announced
     kinds = [(dst, msg.kind) for dst, msg in p.sent]
     assert (b, "ping") in kinds and (b, "members") in kinds and all(dst != c for dst, _ in kinds)
@@ -709,7 +714,7 @@ def test_a_joiner_that_starts_training_announces_the_leaves_of_members_it_found_
     before this life began (across a partition, say) is no suspect: a merging node
     that announced those leaves dropped the live members of the cluster it joined."""
     a, b, c, d, e = (f"10.0.0.{i}:1" for i in range(1, 6))
-    m = Membership(a, 1, FP, dead_after=2.0)
+    m = Membership(a, 1, FP, timing=Timing(dead_after=2.0))
     for x in (b, c, d, e):
         m.heard(x, 1, 0.0, status="training", round=4)
     m.start([b, c, d, e])
@@ -726,7 +731,7 @@ def test_a_joiner_that_starts_training_announces_the_leaves_of_members_it_found_
     m.heard(d, 1, 5.0)  # d speaks again: re-admitted, no longer a suspect
     assert m.confirm_dead(5.9) == [] and c not in m.leaves
     assert m.confirm_dead(6.0) == [c]
-    assert m.leaves == {c: 4 + m.leave_margin} and m.eventual() == {a, b, d, e}
+    assert m.leaves == {c: 4 + m.timing.leave_margin} and m.eventual() == {a, b, d, e}
     assert m.confirm_dead(9.0) == [] and not m.suspects
 
 
@@ -736,7 +741,7 @@ def test_a_leave_is_announced_past_this_node_s_own_round_when_no_other_trainer_i
     round 0 + the margin, 5, a round its cluster had long passed (the member read it
     as its own eviction and joined again as a new life). The leave round counts this
     node's own round too."""
-    from gossip.detector import Verdicts
+    from gossip.protocol.effects import Verdicts
 
     class Scripted:
         def __init__(self):
@@ -758,5 +763,5 @@ def test_a_leave_is_announced_past_this_node_s_own_round_when_no_other_trainer_i
     p.m.announce_join(a, 317, 1)
     p.m.announce_join(j, 327, 1)
     det.next = Verdicts(dead=[c])
-    assert p.cp.tick(1.0) == [c]
-    assert p.m.leaves[c] == 317 + p.m.leave_margin
+    assert tick(p.cp, 1.0) == [c]
+    assert p.m.leaves[c] == 317 + p.m.timing.leave_margin

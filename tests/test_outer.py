@@ -12,8 +12,8 @@ from gossip.api import Simulation
 from gossip.mixing import GossipRule
 from gossip.mixing.outer import OuterRule, OuterSpec, parse_outer
 from gossip.mixing.settings import MixingSettings, build_rules
-from gossip.node import init_model
-from gossip.tasks import get_task
+from gossip.training.node import init_model
+from gossip.training.tasks import get_task
 
 H, ROUNDS = 5, 6
 
@@ -170,7 +170,7 @@ def test_overlap_outer_keeps_the_inner_steps_made_while_the_round_travelled():
 
 
 def test_checkpoint_restores_the_outer_state(tmp_path):
-    from gossip.checkpoint import load_checkpoint, save_checkpoint
+    from gossip.core.checkpoint import load_checkpoint, save_checkpoint
 
     sim = Simulation(nodes=2, topology="ring", task="synthetic", steps=20, period=5, outer="nesterov", seed=0)
     sim.run()
@@ -187,9 +187,9 @@ def test_checkpoint_restores_the_outer_state(tmp_path):
 
 
 def test_a_joiner_takes_the_outer_momentum_with_the_parameters(monkeypatch):
-    """The real protocol's join (gossip.simfaults): the restarted node pulls a member's
+    """The real protocol's join (gossip.sim.fault_runs): the restarted node pulls a member's
     state, which carries the outer momentum with the parameters."""
-    from gossip.node import Node
+    from gossip.training.node import Node
 
     handed, taken = [], []
     handover, adopt = Node.handover, Node.adopt_handover
@@ -284,9 +284,8 @@ def test_outer_per_link_class():
 def test_what_a_low_bit_round_drops_is_sent_later(bits):
     """Error feedback: with x held still, the public copy CHOCO sends towards closes in on
     x round after round (int2 drops 65% of the energy of each difference)."""
-    from topologies import build
-
     from gossip.mixing import ChocoRule
+    from topologies import build
 
     topo = build("ring", 3)
     rule = ChocoRule(f"int{bits}")
@@ -314,7 +313,7 @@ def test_the_node_sets_the_inner_rules_attributes_through_the_wrapper():
     from gossip.mixing import PushSumRule
 
     rule = OuterRule(PushSumRule(), OuterSpec("nesterov", 0.7, 0.9))
-    rule.weight = 0.25  # a joiner resets its push-sum mass (gossip.peer)
+    rule.weight = 0.25  # a joiner resets its push-sum mass (gossip.peer.driver)
     rule.overlap = True
     rule.sends_live = True
     assert (rule.inner.weight, rule.inner.overlap, rule.inner.sends_live) == (0.25, True, True)
@@ -379,10 +378,9 @@ def test_pseudograd_with_the_identity_codec_is_diloco():
 
 def test_pseudograd_error_feedback_sends_later_what_was_dropped():
     """sum of what was sent + the residual = sum of the pseudo-gradients, round after round."""
-    from topologies import build
-
     from gossip.mixing import Inbox
     from gossip.mixing.pseudograd import PseudoGradientRule
+    from topologies import build
 
     topo = build("complete", 1)
     rule = PseudoGradientRule("topk:0.1", OuterSpec("nesterov", 0.7, 0.9, "pseudograd"))
@@ -406,7 +404,7 @@ def test_pseudograd_error_feedback_sends_later_what_was_dropped():
 
 def test_pseudograd_bytes_are_counted_exactly():
     from gossip.compression import get_codec
-    from gossip.wire import encode
+    from gossip.transport.wire import encode
 
     n, rounds = 4, 6
     sim = Simulation(nodes=n, topology="complete", task="synthetic", steps=H * rounds, period=H, seed=0,
@@ -439,7 +437,7 @@ def test_topk_pseudo_gradients_under_nesterov_keep_the_replicas_identical_and_tr
 
 
 def test_pseudograd_checkpoint_restores_the_residual(tmp_path):
-    from gossip.checkpoint import load_checkpoint, save_checkpoint
+    from gossip.core.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = dict(nodes=2, topology="complete", task="synthetic", steps=20, period=5, outer=PG, compression="topk:0.1")
     sim = Simulation(seed=0, **cfg)
@@ -569,7 +567,7 @@ def test_one_fragment_is_todays_outer_step_number_for_number(extra):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_rounds_bytes_are_its_fragments(overlap):
     from gossip.mixing.fragments import fragment_bounds
-    from gossip.wire import encode
+    from gossip.transport.wire import encode
 
     n, rounds, F = 4, 7, 3
     sim = Simulation(nodes=n, topology="ring", task="synthetic", steps=H * rounds, period=H, seed=0,
@@ -598,10 +596,9 @@ def test_fragments_are_refused_with_asynchronous_and_push_sum_rules():
 
 
 def test_overlapped_pseudograd_keeps_the_inner_steps_made_while_the_round_travelled():
-    from topologies import build
-
     from gossip.mixing import Inbox
     from gossip.mixing.pseudograd import PseudoGradientRule
+    from topologies import build
 
     topo = build("complete", 1)
     rule = PseudoGradientRule("none", OuterSpec("nesterov", 0.7, 0.9, "pseudograd"))

@@ -8,10 +8,10 @@ import signal
 import torch
 
 import gossip
-from gossip import wire
 from gossip.api import Simulation
-from gossip.checkpoint import latest_checkpoint, load_checkpoint
-from gossip.message import Message
+from gossip.core.checkpoint import latest_checkpoint, load_checkpoint
+from gossip.core.message import Message
+from gossip.transport import wire
 from tests.cluster import Cluster, free_port
 
 FAST = ["--heartbeat", "0.2", "--dead-after", "2", "--settle", "1", "--grace", "5"]

@@ -14,7 +14,7 @@ import torch
 import zmq
 
 import gossip
-from gossip.checkpoint import latest_checkpoint, load_checkpoint
+from gossip.core.checkpoint import latest_checkpoint, load_checkpoint
 from tests.cluster import Cluster, free_port
 
 FAST = ["--heartbeat", "0.2", "--dead-after", "2", "--settle", "1", "--grace", "5"]
@@ -215,7 +215,7 @@ def test_bad_flags_exit_2_with_one_line(args, needle, capsys):
 
 def test_clip_reaches_the_mixing_rule():
     from gossip.cli import node_config_from_args
-    from gossip.peer import Peer
+    from gossip.peer.driver import Peer
 
     cfg, _ = node_config_from_args(["--listen", f"tcp://127.0.0.1:{free_port()}", "--clip", "0.5"])
     peer = Peer(cfg)
@@ -230,7 +230,7 @@ def test_device_defaults_to_auto_and_auto_takes_local_rank(monkeypatch):
     """The README promises ``--device auto`` by default; the CLI said cpu. ``auto`` is
     cuda:LOCAL_RANK under torchrun when CUDA is present, the CPU otherwise."""
     from gossip.cli import node_config_from_args
-    from gossip.peer import resolve_device
+    from gossip.training.node import resolve_device
 
     cfg, _ = node_config_from_args(["--listen", f"127.0.0.1:{free_port()}"])
     assert cfg.device == "auto"
@@ -250,7 +250,7 @@ def test_a_member_declared_dead_stays_behind_the_emulated_cut():
     cross the same (cut) link, or they leak through the partition as intra traffic
     and the two halves meet while the cut lasts."""
     from gossip.cli import node_config_from_args
-    from gossip.peer import Peer
+    from gossip.peer.driver import Peer
 
     cfg, _ = node_config_from_args(["--listen", f"tcp://127.0.0.1:{free_port()}", "--dc", "east",
                                     "--emulate", "inter:down=0s-60s"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import time
 
-from gossip.transport.sim import LinkModel, SimNetwork
+from gossip.transport.links import LinkModel, SimNetwork
 from gossip.transport.zmq import ZmqTransport
 from tests.cluster import Cluster, free_port
 

@@ -1,4 +1,4 @@
-"""gossip.ports: ports promised to nodes that start later stay clear of the
+"""gossip.transport.ports: ports promised to nodes that start later stay clear of the
 kernel's ephemeral range, so an outgoing connection cannot take one first."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from gossip import ports
+from gossip.transport import ports
 
 
 def test_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice():

@@ -9,7 +9,7 @@ import torch
 
 import gossip
 from gossip.api import Simulation
-from gossip.tasks import SyntheticTask
+from gossip.training.tasks import SyntheticTask
 
 
 def test_clipped_gossip_keeps_honest_nodes_on_course_against_a_x1000_peer():

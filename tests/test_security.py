@@ -16,11 +16,18 @@ import pytest
 import zmq
 import zmq.auth
 
-from gossip import wire
-from gossip.node import init_model
-from gossip.security import AllowList, KeyDirError, generate_keys, key_file_name, keys_main, load_curve
-from gossip.state import FlatState
-from gossip.tasks import get_task
+from gossip.core.state import FlatState
+from gossip.training.node import init_model
+from gossip.training.tasks import get_task
+from gossip.transport import wire
+from gossip.transport.security import (
+    AllowList,
+    KeyDirError,
+    generate_keys,
+    key_file_name,
+    keys_main,
+    load_curve,
+)
 from tests.cluster import Cluster, free_port
 
 FAST = ["--heartbeat", "0.2", "--dead-after", "3", "--settle", "1", "--grace", "5"]

@@ -15,12 +15,24 @@ import pytest
 
 import gossip
 from gossip.api import Simulation
-from gossip.cli import build_sim_parser, mixing_settings, node_config_from_args, sim_main
-from gossip.mixing import AsyncGossipRule, ChocoRule, GossipRule, Staleness, make_rule, parse_staleness
+from gossip.cli import (
+    build_sim_parser,
+    mixing_settings,
+    node_config_from_args,
+    sim_main,
+)
+from gossip.mixing import (
+    AsyncGossipRule,
+    ChocoRule,
+    GossipRule,
+    Staleness,
+    make_rule,
+    parse_staleness,
+)
 from gossip.mixing.adversary import ScaledSender
 from gossip.mixing.policy import LinkPolicy
 from gossip.mixing.settings import MixingSettings, OptionError, build_rules
-from gossip.peer import PeerConfig
+from gossip.protocol.config import PeerConfig
 from tests.cluster import free_port
 
 ATTACK = dict(nodes=8, topology="hierarchical:4,4", task="synthetic", steps=30, byzantine="3=1000", seed=0)

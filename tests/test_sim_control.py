@@ -1,5 +1,5 @@
 """Simulated twins of the real-process fault tests: the real control plane and
-lifecycle (gossip.lifecycle, gossip.control) over a simulated network and clock.
+lifecycle (gossip.protocol.lifecycle, gossip.protocol.control) over a simulated network and clock.
 
 Each scenario applies faults to processes and links only (a crash, a restart, a
 stall, a partition); detection, leave rounds, joins, state transfer and merges
@@ -21,10 +21,10 @@ import tempfile
 import pytest
 import torch
 
-from gossip import wire
 from gossip.compression import get_codec
-from gossip.message import Message
-from gossip.simcluster import FAST, SimCluster, node_id
+from gossip.core.message import Message
+from gossip.sim.cluster import FAST, SimCluster, node_id
+from gossip.transport import wire
 
 torch.set_num_threads(1)  # tiny models: threads only contend
 
@@ -53,7 +53,7 @@ def test_killing_two_of_eight_costs_only_their_work():
         assert r["exit"] == "done" and r["steps"] == steps and r["members"] == 6, r
         assert node_id(2) not in r["member_ids"] and node_id(5) not in r["member_ids"]
         # nobody stalled longer than detection (2 s of silence) plus a heartbeat and slack
-        assert r["max_step_gap_s"] < FAST["dead_after"] + 1.5, r
+        assert r["max_step_gap_s"] < FAST["timing"].dead_after + 1.5, r
 
 
 def test_a_late_node_joins_receives_a_state_and_trains():
@@ -204,17 +204,17 @@ def test_bad_frames_from_a_member_change_nothing_and_are_counted():
 
 
 def test_explored_schedules_hold_every_invariant():
-    """A bounded form of ``python -m gossip.explore`` (CI, about 10 s); the soak form runs many more."""
-    from gossip import explore
+    """A bounded form of ``python -m gossip.sim.explore`` (CI, about 10 s); the soak form runs many more."""
+    from gossip.sim import explore
 
     assert explore.main(["--runs", "6", "--seed", "11"]) == 0
 
 
 def test_explored_schedules_hold_every_invariant_with_the_heartbeat_detector(tmp_path, capsys):
     """The same exploration with every node on ``--detector heartbeat`` (the default is swim)."""
-    from gossip import explore
-    from gossip.detector import HeartbeatDetector
-    from gossip.swim_detector import SwimDetector
+    from gossip.protocol.detector import HeartbeatDetector
+    from gossip.protocol.swim_detector import SwimDetector
+    from gossip.sim import explore
 
     assert explore.main(["--runs", "6", "--seed", "11", "--detector", "heartbeat"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["detector"] == "heartbeat"
@@ -228,14 +228,14 @@ def test_explored_schedules_hold_every_invariant_with_the_heartbeat_detector(tmp
 @pytest.mark.skipif(not os.environ.get("GOSSIP_SOAK"), reason="soak form: set GOSSIP_SOAK=1 (about 30 CPU-minutes)")
 def test_many_explored_schedules_hold_every_invariant():
     """The soak form of the exploration: 2000 schedules."""
-    from gossip import explore
+    from gossip.sim import explore
 
     assert explore.main(["--runs", "2000", "--seed", "12"]) == 0
 
 
 def test_the_explorer_reports_survivors_that_stay_apart():
     """The check can fail: a partition that never heals leaves two clusters."""
-    from gossip import explore
+    from gossip.sim import explore
 
     c = SimCluster(4, steps=explore.STEPS, step_time=explore.STEP_S, task=explore.TASK, join_margin=10)
     c.partition([[0, 1], [2, 3]], at=2.0)
@@ -250,7 +250,7 @@ def test_a_fault_drawn_at_the_end_of_the_window_is_no_empty_window():
     settling schedule's fault window: their windows were empty (until == at) and the
     simulator refused them, ending the whole chunk. Such a fault is now not drawn;
     and anything a run raises is reported as that seed's violation, not a crash."""
-    from gossip import explore
+    from gossip.sim import explore
 
     for seed in (8000028, 8000246):
         s = explore.draw(seed)
@@ -277,7 +277,7 @@ def test_an_explored_schedule_replays_exactly():
     """Seed 4 draws duplication, reordering, drifting clocks, a delay spike, a restart
     from a checkpoint and a crash: the same seed gives the same schedule and the same
     run, here and in a process with another PYTHONHASHSEED."""
-    from gossip import explore
+    from gossip.sim import explore
 
     def trace(seed):
         with tempfile.TemporaryDirectory() as work:
@@ -290,7 +290,7 @@ def test_an_explored_schedule_replays_exactly():
     first = trace(4)
     assert trace(4) == first != trace(14)
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-m", "gossip.explore", "--replay", "4"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "gossip.sim.explore", "--replay", "4"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and f"(trace {first})" in out.stderr, out.stderr[-2000:]
 
@@ -335,7 +335,7 @@ def test_drifting_clocks_still_detect_a_crash_and_finish():
         if i != 2:
             assert r["exit"] == "done" and r["steps"] == steps and r["members"] == 4, r
             assert node_id(2) not in r["member_ids"]
-            assert r["max_step_gap_s"] < 1.05 * FAST["dead_after"] + 1.5, r
+            assert r["max_step_gap_s"] < 1.05 * FAST["timing"].dead_after + 1.5, r
 
 
 def test_the_mixing_audit_catches_a_message_filed_under_the_wrong_member():
@@ -366,7 +366,7 @@ def test_the_swim_detector_runs_in_the_simulated_cluster_too():
     for i, r in enumerate(rs):
         if i != 2:
             assert r["exit"] == "done" and r["steps"] == 600 and r["members"] == 5, r
-            assert r["max_step_gap_s"] < FAST["dead_after"] + 1.5, r
+            assert r["max_step_gap_s"] < FAST["timing"].dead_after + 1.5, r
 
 
 @pytest.mark.parametrize("seed", [
@@ -417,7 +417,7 @@ def test_the_swim_detector_runs_in_the_simulated_cluster_too():
 def test_explored_schedules_that_once_failed_hold_every_invariant(seed, detector, tmp_path):
     """Schedules the explorer found (with the heartbeat detector, the default then); kept as
     regressions, with either detector."""
-    from gossip import explore
+    from gossip.sim import explore
 
     s = explore.draw(seed)
     assert explore.check(explore.run_schedule(s, str(tmp_path), detector), s.settles) == []

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import gossip
-from gossip.api import SimConfig, build_nodes, consensus_distance
-from gossip.data import BatchStream
-from gossip.simulator import ComputeModel, Simulator, parse_compute, parse_slow
-from gossip.transport.sim import LAN, WAN, LinkModel, SimNetwork, parse_link
+from gossip.api import SimConfig, consensus_distance
+from gossip.sim.engine import ComputeModel, Simulator, parse_compute, parse_slow
+from gossip.sim.simulation import build_nodes
+from gossip.training.data import BatchStream
+from gossip.transport.links import LAN, WAN, LinkModel, SimNetwork, parse_link
 from tests.helpers import FrozenTask
 from topologies import build, mixing_matrix
 
@@ -95,8 +96,8 @@ def test_push_sum_directed_non_regular_graph_is_debiased():
 
 @pytest.mark.numeric
 def test_single_node_is_bit_identical_to_a_plain_torch_loop():
-    from gossip.data import node_seed
-    from gossip.tasks import get_task
+    from gossip.training.data import node_seed
+    from gossip.training.tasks import get_task
 
     steps, seed = 40, 3
     # same thread count on both sides: reductions split across threads round differently; the

@@ -1,4 +1,4 @@
-"""The SWIM failure detector (gossip/swim.py) on a tiny virtual network and clock.
+"""The SWIM failure detector (gossip/protocol/swim.py) on a tiny virtual network and clock.
 
 Every scenario is deterministic: one seed draws the nodes' rngs, latencies and
 losses, and the clock is virtual, so each runs in well under a second and a
@@ -15,9 +15,20 @@ from typing import Callable
 
 import pytest
 
-from gossip import wire
-from gossip.swim import (ALIVE, DEAD, LEFT, SUSPECT, MemberEvent, Swim, SwimMessage, SwimOptions, from_message,
-                         to_message)
+from gossip.protocol.swim import (
+    ALIVE,
+    DEAD,
+    LEFT,
+    SUSPECT,
+    MemberEvent,
+    Swim,
+    SwimMessage,
+    SwimOptions,
+    from_message,
+    to_message,
+)
+from gossip.transport import wire
+from tests.helpers import tick
 
 TICK = 0.1  # the control plane's tick
 
@@ -493,22 +504,22 @@ def test_malformed_swim_frames_reaching_a_control_plane_are_counted_and_change_n
 
     import msgpack
 
-    from gossip.control import ControlPlane
-    from gossip.membership import Membership
-    from gossip.message import Message
+    from gossip.core.message import Message
+    from gossip.protocol.control import ControlPlane
+    from gossip.protocol.membership import Membership
 
     me, peer = "127.0.0.1:7000", "127.0.0.1:7001"
     m = Membership(me, 1000, "fp")
     sent: list = []
     cp = ControlPlane(me, 1000, "fp", "", m, threading.RLock(), lambda d, msg: sent.append((d, msg)),
-                      lambda msg: None, lambda: ("waiting", 0, 0), heartbeat=0.5, detector="swim")
+                      lambda msg: None, lambda: ("waiting", 0, 0), timing=m.timing, detector="swim")
 
     def frames(sender: str, x: dict, **header) -> list:
         return wire.encode(Message("swim", sender, 0, 0, 0, None, header.get("w"), x, "fp"))
 
     good = {"op": "ping", "inc": 2000, "seq": 1, "life": 2000, "status": "waiting"}
     cp.on_frames(peer.encode(), frames(peer, good))
-    cp.tick(1.0)
+    tick(cp, 1.0)
     assert set(m.members) == {me, peer} and cp.rejected == Counter() and sent, sent
     state = (dict((k, (v.incarnation, v.status)) for k, v in m.members.items()), cp.detector.state(peer))
     bad_values = {

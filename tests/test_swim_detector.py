@@ -1,8 +1,8 @@
-"""SWIM as the control plane's failure detector (gossip/swim_detector.py).
+"""SWIM as the control plane's failure detector (gossip/protocol/swim_detector.py).
 
-Unit tests run real :class:`~gossip.control.ControlPlane` objects that exchange
+Unit tests run real :class:`~gossip.protocol.control.ControlPlane` objects that exchange
 real encoded wire frames on a virtual clock (deterministic, well under a second
-each); the simulated cluster runs the whole peer (gossip.simcluster); the last
+each); the simulated cluster runs the whole peer (gossip.sim.cluster); the last
 tests run real ``gossip-node --detector swim`` processes on loopback.
 """
 
@@ -19,17 +19,19 @@ import pytest
 import torch
 
 import gossip
-from gossip import wire
-from gossip.checkpoint import latest_checkpoint, load_checkpoint
-from gossip.control import ControlPlane
-from gossip.detector import HeartbeatDetector
-from gossip.membership import Membership
-from gossip.message import Message
-from gossip.peer import PeerConfig
-from gossip.simcluster import SimCluster, node_id
-from gossip.swim import ALIVE, DEAD
-from gossip.swim_detector import SwimDetector, swim_options
+from gossip.core.checkpoint import latest_checkpoint, load_checkpoint
+from gossip.core.message import Message
+from gossip.protocol.config import PeerConfig
+from gossip.protocol.control import ControlPlane
+from gossip.protocol.detector import HeartbeatDetector
+from gossip.protocol.membership import Membership
+from gossip.protocol.swim import ALIVE, DEAD
+from gossip.protocol.swim_detector import SwimDetector
+from gossip.protocol.timing import Timing
+from gossip.sim.cluster import SimCluster, node_id
+from gossip.transport import wire
 from tests.cluster import Cluster, free_port, wait_for_step
+from tests.helpers import tick
 
 torch.set_num_threads(1)
 
@@ -55,9 +57,10 @@ class Net:
         self.kinds: Counter[str] = Counter()
         self.planes: list[ControlPlane] = []
         for i, me in enumerate(self.ids):
-            m = Membership(me, 1000 * (i + 1), FP, dead_after=dead_after)
+            timing = Timing(heartbeat=heartbeat, dead_after=dead_after)
+            m = Membership(me, 1000 * (i + 1), FP, timing=timing)
             cp = ControlPlane(me, m.incarnation, FP, "", m, threading.RLock(), self._sender(i), lambda msg: None,
-                              lambda: ("waiting", 0, 0), heartbeat=heartbeat, seeds=(self.ids[(i + 1) % n],),
+                              lambda: ("waiting", 0, 0), timing=timing, seeds=(self.ids[(i + 1) % n],),
                               clock=lambda: self.now, detector=detector)
             self.planes.append(cp)
             self._push(self.rng.uniform(0, TICK), ("tick", i, None))
@@ -82,7 +85,7 @@ class Net:
             if i in self.down:
                 continue
             if kind == "tick":
-                for mid in self.planes[i].tick(self.now):
+                for mid in tick(self.planes[i], self.now):
                     self.dead_at[i].append((self.now, mid))
             else:
                 sender, frames = item
@@ -103,7 +106,7 @@ def test_a_crashed_member_becomes_a_removal_within_the_bound():
     crashed = 10.0
     # every survivor probes it within two passes of its probe order, the probe fails at
     # the end of its period, and the suspicion runs out; a second of slack for the spread
-    opts = swim_options(heartbeat, dead_after)
+    opts = Timing(heartbeat=heartbeat, dead_after=dead_after).swim()
     bound = 2 * (n - 1) * heartbeat + heartbeat + opts.suspicion_timeout(n) + 1.0
     net.run(crashed + bound)
     for i in range(n - 1):
@@ -158,10 +161,10 @@ def test_status_round_and_member_digest_ride_on_the_swim_messages():
 
 
 def _swim_plane(me: str = "127.0.0.1:7000", inc: int = 1000):
-    m = Membership(me, inc, FP, dead_after=3.0)
+    m = Membership(me, inc, FP)
     sent: list[tuple[str, Message]] = []
     cp = ControlPlane(me, inc, FP, "", m, threading.RLock(), lambda d, msg: sent.append((d, msg)),
-                      lambda msg: None, lambda: ("waiting", 0, 0), heartbeat=0.5, detector="swim")
+                      lambda msg: None, lambda: ("waiting", 0, 0), timing=m.timing, detector="swim")
     return cp, m, sent
 
 
@@ -176,15 +179,15 @@ def test_events_about_an_older_life_of_a_member_are_ignored(restart):
     b, x = "127.0.0.1:7001", "127.0.0.1:7002"
     for peer, life in ((b, 2000), (x, 3000)):
         cp.apply(cp.handle(_swim(peer, life, op="ping", seq=1), 1.0))
-    cp.tick(1.0)
+    tick(cp, 1.0)
     assert set(m.members) == {cp.id, b, x} and cp.detector.state(x) == (ALIVE, 3000)
     # b says x's life 3000 is dead (after x last spoke to this node more than dead_after / 2
     # ago): an event of SWIM's, taken at the next tick
-    cp.tick(2.0)
+    tick(cp, 2.0)
     cp.apply(cp.handle(_swim(b, 2000, op="gossip", uid=[x], ust=["dead"], uinc=[3000]), 2.6))
     if restart:  # meanwhile the member table learns x's new life (its hello, a member list)
         m.heard(x, 4000, 2.65)
-    dead = cp.tick(2.7)
+    dead = tick(cp, 2.7)
     if restart:
         assert dead == [] and x in m.members and m.members[x].incarnation == 4000
         assert cp.detector.ignored_events == 1
@@ -205,20 +208,20 @@ def test_a_death_heard_of_a_member_that_talks_to_this_node_is_doubted_until_it_f
         for t in (1.0, 2.0):
             for peer, life in ((b, 2000), (x, 3000)):
                 cp.apply(cp.handle(_swim(peer, life, op="ping", seq=int(t)), t))
-            cp.tick(t)
+            tick(cp, t)
         cp.apply(cp.handle(_swim(b, 2000, op="gossip", uid=[x], ust=["dead"], uinc=[3000]), 2.1))
-        assert cp.tick(2.2) == [] and x in m.members and cp.detector.doubted == {x}
+        assert tick(cp, 2.2) == [] and x in m.members and cp.detector.doubted == {x}
         assert cp.detector.state(x) == (DEAD, 3000)  # SWIM's view: the doubt is the member table's
         if refutes:  # x heard it is dead (SWIM's buddy system) and says it is alive, above that
             cp.apply(cp.handle(_swim(x, 3000, op="ping", seq=3, inc=3001), 2.5))
-            assert cp.tick(2.6) == [] and not cp.detector.doubted and cp.detector.state(x) == (ALIVE, 3001)
+            assert tick(cp, 2.6) == [] and not cp.detector.doubted and cp.detector.state(x) == (ALIVE, 3001)
         t = 2.6
         while t < 4.95:  # b keeps talking; x is silent from 2.0 (or 2.5)
             cp.apply(cp.handle(_swim(b, 2000, op="ping", seq=int(10 * t)), t))
-            assert x not in cp.tick(t + 0.05), t
+            assert x not in tick(cp, t + 0.05), t
             t += 0.5
         if not refutes:
-            assert cp.tick(5.0) == [x] and x not in m.members  # silent for dead_after: dead after all
+            assert tick(cp, 5.0) == [x] and x not in m.members  # silent for dead_after: dead after all
         else:
             assert x in m.members  # alive again: only its own silence, through SWIM's suspicion, removes it
 
@@ -240,25 +243,25 @@ def test_a_member_declared_dead_that_speaks_again_is_readmitted():
 def test_a_new_life_of_this_node_starts_a_fresh_detector():
     cp, m, _ = _swim_plane()
     cp.apply(cp.handle(_swim("127.0.0.1:7001", 2000, op="ping", seq=1), 1.0))
-    cp.tick(1.0)
+    tick(cp, 1.0)
     old = cp.detector.swim
     with cp.lock:
         cp.new_life(5000)
         m.new_life(5000)
     assert cp.detector.swim is not old and cp.detector.swim.incarnation == 5000
-    cp.tick(1.1)
+    tick(cp, 1.1)
     assert cp.detector.state("127.0.0.1:7001") == (ALIVE, 2000)  # members joined again from the table
 
 
 def test_the_default_is_the_swim_detector_and_a_bad_name_is_refused():
     from gossip.api import SimConfig
     from gossip.cli import build_node_parser, build_sim_parser
-    from gossip.explore import run_schedule
+    from gossip.sim.explore import run_schedule
 
     def plane(**kw):
         m = Membership("127.0.0.1:7000", 1, FP)
         return m, ControlPlane("127.0.0.1:7000", 1, FP, "", m, threading.RLock(), lambda d, msg: None,
-                               lambda msg: None, lambda: ("waiting", 0, 0), **kw)
+                               lambda msg: None, lambda: ("waiting", 0, 0), timing=m.timing, **kw)
 
     assert isinstance(plane()[1].detector, SwimDetector)
     assert PeerConfig(listen="127.0.0.1:7000").detector == "swim" and SimConfig().detector == "swim"
@@ -284,13 +287,13 @@ def test_gossip_node_detector_flag_bad_value_exits_2(capsys):
     assert "--detector" in err and "'heartbeat', 'swim'" in err
 
 
-# -- the whole peer, simulated (gossip.simcluster) ------------------------------------------------
+# -- the whole peer, simulated (gossip.sim.cluster) ------------------------------------------------
 
 def test_simulated_crash_with_swim_is_detected_and_the_others_finish(caplog):
     steps = 600
     c = SimCluster(4, steps=steps, detector="swim")
     c.crash(3, at=3.0)
-    with caplog.at_level("WARNING", logger="gossip.membership"):
+    with caplog.at_level("WARNING", logger="gossip.protocol.membership"):
         c.run(until=120.0)
     # the detector's verdict, not a round timeout, removed it
     assert caplog.text.count(f"member {node_id(3)} removed: silent") == 3, caplog.text[-3000:]
@@ -378,10 +381,9 @@ def test_detector_traffic_benchmark_runs_and_ends_with_its_json_line(capsys):
 def test_the_docstring_examples_of_the_detectors_hold():
     import doctest
 
-    import gossip.detector
-    import gossip.swim
-    import gossip.swim_detector
+    import gossip.protocol.swim
+    import gossip.protocol.timing
 
-    for module in (gossip.detector, gossip.swim_detector, gossip.swim):
+    for module in (gossip.protocol.timing, gossip.protocol.swim):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, (module.__name__, result)

@@ -54,7 +54,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import gossip  # noqa: E402
-from gossip.checkpoint import latest_checkpoint  # noqa: E402
+from gossip.core.checkpoint import latest_checkpoint  # noqa: E402
 
 FAST = dict(settle=0.2, heartbeat=0.2, handle_signals=False)
 

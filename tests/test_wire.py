@@ -8,9 +8,9 @@ import msgpack
 import pytest
 import torch
 
-from gossip import wire
 from gossip.compression import get_codec
-from gossip.message import Message
+from gossip.core.message import Message
+from gossip.transport import wire
 
 
 def state_message(values=None, codec="none", weight=None, extra=None):

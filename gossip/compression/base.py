@@ -12,13 +12,12 @@ aarch64) is little-endian.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 
-from gossip.buffers import Chunked
+from gossip.core.buffers import Chunked
 
 __all__ = [
     "CHUNK",
@@ -321,46 +320,6 @@ def check_buffers(enc: Encoded, sizes: tuple[int, ...]) -> None:
             raise CodecError(f"buffer {i} is not contiguous")
         if view.nbytes != size:
             raise CodecError(f"buffer {i} has {view.nbytes} bytes, expected {size}")
-
-
-# ------------------------------------------------------ buffers <-> tensors
-
-
-def to_buffer(t: torch.Tensor) -> memoryview:
-    """A flat byte ``memoryview`` of ``t``'s memory (CPU, contiguous): zero-copy."""
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
-
-
-def tensor_to_buffer(t: torch.Tensor) -> memoryview:
-    """Like :func:`to_buffer` but moves a device tensor to the CPU first."""
-    return to_buffer(t.cpu() if t.device.type != "cpu" else t)
-
-
-def from_buffer(buf: Any, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D CPU tensor viewing ``buf``'s bytes as ``dtype`` (no copy when aligned).
-
-    The result may alias a read-only buffer: callers must only read it. A buffer
-    whose address is not a multiple of the item size is copied once, so kernels
-    never see misaligned data. Sizes must already be validated. A buffer that
-    arrived as several frames (:class:`gossip.buffers.Chunked`) is joined.
-    """
-    if type(buf) is Chunked:
-        buf = buf.join()
-    view = memoryview(buf).cast("B")
-    if view.nbytes == 0:
-        return torch.empty(0, dtype=dtype)
-    if view.readonly:
-        with warnings.catch_warnings():
-            # Read-only network frames: torch warns that writing would be undefined; we never write.
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(view, dtype=torch.uint8)
-    else:
-        raw = torch.frombuffer(view, dtype=torch.uint8)
-    if raw.data_ptr() % dtype.itemsize:
-        raw = raw.clone()
-    return raw.view(dtype)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -17,10 +17,9 @@ from gossip.compression.base import (
     check_meta,
     check_size_args,
     dtype_name,
-    from_buffer,
     itemsize,
-    tensor_to_buffer,
 )
+from gossip.core.buffers import from_buffer, tensor_to_buffer
 
 __all__ = ["BFloat16Codec", "Float16Codec", "IdentityCodec"]
 

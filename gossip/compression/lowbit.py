@@ -26,10 +26,9 @@ from gossip.compression.base import (
     check_meta,
     check_size_args,
     dtype_name,
-    from_buffer,
-    tensor_to_buffer,
 )
 from gossip.compression.quantize import _TINY, MAX_BLOCK
+from gossip.core.buffers import from_buffer, tensor_to_buffer
 
 __all__ = ["Int4BlockCodec", "Int2BlockCodec", "LowBitBlockCodec"]
 

@@ -22,9 +22,8 @@ from gossip.compression.base import (
     check_meta,
     check_size_args,
     dtype_name,
-    from_buffer,
-    tensor_to_buffer,
 )
+from gossip.core.buffers import from_buffer, tensor_to_buffer
 
 __all__ = ["Int8BlockCodec"]
 

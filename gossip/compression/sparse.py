@@ -27,10 +27,9 @@ from gossip.compression.base import (
     check_size_args,
     dtype_name,
     finite_float,
-    from_buffer,
     itemsize,
-    tensor_to_buffer,
 )
+from gossip.core.buffers import from_buffer, tensor_to_buffer
 
 __all__ = ["RandKCodec", "TopKCodec"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gossip.message import Packet
+from gossip.core.message import Packet
 from gossip.mixing.gossip import GossipRule
 
 __all__ = ["ScaledSender", "parse_byzantine"]

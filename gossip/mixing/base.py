@@ -14,10 +14,10 @@ from typing import Any, Iterable
 
 import torch
 
-from gossip.buffers import Chunked, Pieces, pooled_copy
 from gossip.compression import Codec, Encoded, get_codec, get_decoder
 from gossip.compression.base import DTYPES
-from gossip.message import Message, Packet
+from gossip.core.buffers import Chunked, Pieces, pooled_copy
+from gossip.core.message import Message, Packet
 
 __all__ = ["Inbox", "MixingRule", "MixReport", "all_finite", "decode_payload", "take_round_messages"]
 
@@ -123,6 +123,8 @@ class MixingRule:
     # set by the node for each round: ``x`` stays unchanged until the transport has sent
     # it, so a codec that views its input may encode ``x`` itself (no snapshot)
     sends_live = False
+    weight: float | None = None  # push-sum's mass (None: a rule without one)
+    clipped = 0  # neighbour differences clipped so far (robust gossip)
 
     def __init__(self, codec: Codec | str = "none") -> None:
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
@@ -139,7 +141,7 @@ class MixingRule:
         """``x`` encoded for sending while training goes on changing it.
 
         A codec whose encoding views its input (identity on CPU) encodes a
-        snapshot, taken into a pooled buffer (:func:`gossip.buffers.pooled_copy`),
+        snapshot, taken into a pooled buffer (:func:`gossip.core.buffers.pooled_copy`),
         unless the node said that ``x`` stays as it is until sent
         (:attr:`sends_live`); any other codec's encoding is a copy already, so
         ``x`` goes in as it is.
@@ -182,6 +184,23 @@ class MixingRule:
         keeping per-neighbour state re-key or reset it here."""
         self._round_key = None
 
+    def payload_numel(self, rnd: int, numel: int) -> int:
+        """Elements a state message of round ``rnd`` carries, for a model of ``numel``
+        (the node checks arriving ones against it); a fragment rule sends one part."""
+        return numel
+
+    def neighbor_models(self) -> dict[int, torch.Tensor] | None:
+        """The models this rule keeps of its neighbours (CHOCO's public copies), by
+        index; None when it keeps none (the node then reads the last messages)."""
+        return None
+
+    def outer_state(self) -> dict[str, Any] | None:
+        """The outer optimizer state a joiner takes with the parameters (None: no outer optimizer)."""
+        return None
+
+    def load_outer_state(self, state: dict[str, Any]) -> None:
+        """Take a member's :meth:`outer_state` (after the parameters were adopted)."""
+
     # Rules with state of their own (push-sum weight, CHOCO copies) persist it in checkpoints.
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -209,7 +228,7 @@ class MixingRule:
 
     def decode_pieces(self, msg: Message, like: torch.Tensor) -> torch.Tensor | Pieces:
         """Like :meth:`decode`, but an uncompressed payload that arrived as several
-        frames may come back as :class:`~gossip.buffers.Pieces` (for element-wise
+        frames may come back as :class:`~gossip.core.buffers.Pieces` (for element-wise
         use: :func:`all_finite`, :func:`~gossip.mixing.gossip.weighted_sum_`)."""
         if msg.tensor is None:
             msg.tensor = decode_payload(msg, like, pieces=True)
@@ -240,7 +259,7 @@ def decode_payload(msg: Message, like: torch.Tensor, pieces: bool = False) -> to
     """Decode ``msg.data`` with the codec it names, as ``like``'s dtype and device.
 
     With ``pieces=True``, an uncompressed payload of ``like``'s dtype that arrived
-    as several frames comes back as :class:`~gossip.buffers.Pieces` viewing them,
+    as several frames comes back as :class:`~gossip.core.buffers.Pieces` viewing them,
     instead of being joined into one tensor (a copy of the whole payload)."""
     data = msg.data
     src = data.source
@@ -256,7 +275,7 @@ def decode_payload(msg: Message, like: torch.Tensor, pieces: bool = False) -> to
 
 
 def all_finite(t: torch.Tensor | Pieces) -> bool:
-    """Whether every element of ``t`` (a tensor or :class:`~gossip.buffers.Pieces`) is finite.
+    """Whether every element of ``t`` (a tensor or :class:`~gossip.core.buffers.Pieces`) is finite.
 
     A NaN or an infinity anywhere makes the sum non-finite (NaN propagates, an
     infinity stays one or meets its opposite and makes NaN), so a finite sum

@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from gossip.compression import Codec, get_codec, get_decoder
-from gossip.message import Packet
-from gossip.mixing.staleness import parse_staleness
+from gossip.core.message import Packet
 from gossip.mixing.base import Inbox, MixingRule, MixReport
+from gossip.mixing.staleness import parse_staleness
 
 __all__ = ["ChocoRule", "check_choco_topology", "parse_gamma"]
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gossip.message import Packet
+from gossip.core.message import Packet
 from gossip.mixing.base import Inbox, MixReport
 
 __all__ = ["FragmentRule", "check_fragments", "fragment_bounds"]
@@ -123,8 +123,7 @@ class FragmentRule:
 
     def on_adopt(self, x: torch.Tensor) -> None:
         for (lo, hi), r in zip(self.bounds(x.numel()), self.rules):
-            if hasattr(r, "on_adopt"):
-                r.on_adopt(x[lo:hi])
+            r.on_adopt(x[lo:hi])
 
     def on_members_changed(self, old: Sequence[Any], new: Sequence[Any]) -> None:
         for r in self.rules:
@@ -151,7 +150,7 @@ class FragmentRule:
     def outer_state(self) -> dict[str, Any]:
         """The fragments' momenta as one vector over the model (zeros where a fragment has none yet);
         momentum None when no fragment has one."""
-        states = [r.outer_state() if hasattr(r, "outer_state") else {} for r in self.rules]
+        states = [r.outer_state() or {} for r in self.rules]
         if self._bounds is None or all(st.get("momentum") is None for st in states):
             return {"momentum": None}
         out = torch.zeros(self._numel)
@@ -163,8 +162,7 @@ class FragmentRule:
     def load_outer_state(self, state: dict[str, Any]) -> None:
         m = state.get("momentum")
         for (lo, hi), r in zip(self._bounds or [], self.rules):
-            if hasattr(r, "load_outer_state"):
-                r.load_outer_state({"momentum": None if m is None else m[lo:hi].clone()})
+            r.load_outer_state({"momentum": None if m is None else m[lo:hi].clone()})
 
     def report(self) -> dict[str, Any]:
         out = dict(self.rules[0].report())

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from gossip.buffers import Pieces, pooled_copy
-from gossip.message import Packet
+from gossip.core.buffers import Pieces, pooled_copy
+from gossip.core.message import Packet
 from gossip.mixing.base import Inbox, MixingRule, MixReport, take_round_messages
 
 __all__ = ["GossipRule", "weighted_sum_"]
@@ -21,7 +21,7 @@ def weighted_sum_(x: torch.Tensor, self_weight: float, terms: list[tuple[float, 
     running total. That is one kernel per neighbour and no temporary, and each
     step is a convex combination (no growth of rounding error). When the weights
     do not sum to 1 the mean is rescaled at the end. A term given as
-    :class:`~gossip.buffers.Pieces` (a payload still in its wire frames) is
+    :class:`~gossip.core.buffers.Pieces` (a payload still in its wire frames) is
     applied part by part.
     """
     total = self_weight

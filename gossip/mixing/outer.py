@@ -253,8 +253,7 @@ class OuterRule(MomentumHandover):
         self.anchor = x.detach().clone()
         self.momentum = None
         self._sent.clear()
-        if hasattr(self.inner, "on_adopt"):
-            self.inner.on_adopt(x)
+        self.inner.on_adopt(x)
 
     def _on(self, x: torch.Tensor) -> torch.Tensor:
         if self.anchor is None or self.anchor.shape != x.shape:

@@ -8,7 +8,7 @@ get its own period, codec and sync/async choice. Example (the CLI syntax)::
 Options a policy leaves out are the run's own (``clip`` included; ``clip=none``
 turns it off for one class); classes without a policy use the run's settings.
 :func:`gossip.mixing.settings.build_rules` turns them into rules. A node then has two
-channels (see :class:`gossip.node.Channel`), one per class, each mixing over
+channels (see :class:`gossip.training.node.Channel`), one per class, each mixing over
 its own links on its own schedule.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping
-
 
 __all__ = ["LinkPolicy", "parse_link_policies", "LINK_CLASSES"]
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from gossip.compression import Codec, get_codec
-from gossip.message import Packet
+from gossip.core.message import Packet
 from gossip.mixing.base import Inbox, MixingRule, MixReport, take_round_messages
 from gossip.mixing.gossip import weighted_sum_
 from gossip.mixing.outer import MomentumHandover, OuterSpec, outer_step_

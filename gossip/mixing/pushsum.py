@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gossip.message import Packet
+from gossip.core.message import Packet
 from gossip.mixing.base import Inbox, MixingRule, MixReport
 from gossip.mixing.gossip import weighted_sum_
 

@@ -1,7 +1,7 @@
 """One settings object for how a node mixes, and the one place that turns it into rules.
 
 Every entry point (``gossip-sim`` and ``gossip-node`` flags, a TOML file,
-:class:`gossip.SimConfig`, :class:`gossip.peer.PeerConfig`,
+:class:`gossip.SimConfig`, :class:`gossip.protocol.config.PeerConfig`,
 :class:`gossip.GossipNode`) parses its mixing options into a
 :class:`MixingSettings` once, at the boundary; the simulator, the real node and
 ``GossipNode`` embed that object, and :func:`build_rules` builds a node's rules
@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from gossip.compression import Codec, get_codec
+from gossip.core.options import flat_options
 from gossip.mixing.base import MixingRule
 from gossip.mixing.choco import parse_gamma
 from gossip.mixing.fragments import FragmentRule, check_fragments
 from gossip.mixing.outer import OuterRule, OuterSpec, check_outer_pairing, parse_outer
-from gossip.mixing.pseudograd import PseudoGradientRule, check_pseudograd
 from gossip.mixing.policy import LINK_CLASSES, LinkPolicy, parse_link_policies
+from gossip.mixing.pseudograd import PseudoGradientRule, check_pseudograd
+from gossip.mixing.rules import ALGORITHMS, make_rule
 from gossip.mixing.staleness import Staleness, parse_staleness
 
 __all__ = ["MixingSettings", "OptionError", "build_rules", "with_mixing_options", "MIXING_OPTIONS", "CLI_FLAGS"]
@@ -116,8 +118,6 @@ class MixingSettings:
     link_policy: tuple[tuple[str, LinkPolicy], ...] = ()
 
     def __post_init__(self) -> None:
-        from gossip.mixing import ALGORITHMS
-
         set_ = functools.partial(object.__setattr__, self)
         if self.algorithm not in ALGORITHMS:
             raise OptionError("algorithm", f"algorithm: unknown algorithm {self.algorithm!r}; valid: {', '.join(ALGORITHMS)}")
@@ -223,52 +223,43 @@ def settings_from(base: MixingSettings | None, flat: Mapping[str, Any]) -> Mixin
     return base.replace(**flat)
 
 
-def with_mixing_options(cls: type) -> type:
-    """Class decorator for a dataclass with a ``mixing: MixingSettings`` field.
+def _older_options(kwargs: dict[str, Any], flat: dict[str, Any]) -> None:
+    """The older form ``options={"gamma": 0.5, "clip": 1.0}``, merged under the flat keywords."""
+    if "options" not in kwargs:
+        return
+    extra = dict(kwargs.pop("options") or {})
+    unknown = sorted(set(extra) - set(MIXING_OPTIONS))
+    if unknown:
+        raise OptionError("options", f"options: unknown mixing option(s) {', '.join(map(repr, unknown))}; "
+                                     f"valid: {', '.join(MIXING_OPTIONS)}")
+    for k, v in extra.items():
+        flat.setdefault(k, v)
 
-    Its constructor also takes the options of :class:`MixingSettings` as flat
-    keywords (``SimConfig(period=4, compression="int8")``), applied over
-    ``mixing=`` (or the defaults) at construction, so the object only ever holds
-    one settings object; the flat names read back from it (``cfg.period``).
-    ``dataclasses.replace(cfg, period=8)`` works the same way.
-    """
-    generated = cls.__init__
-    names = {f.name for f in dataclasses.fields(cls)}
 
-    @functools.wraps(generated)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        flat = {k: kwargs.pop(k) for k in MIXING_OPTIONS if k in kwargs}
-        if "options" in kwargs and "options" not in names:  # the older form: options={"gamma": 0.5, "clip": 1.0}
-            extra = dict(kwargs.pop("options") or {})
-            unknown = sorted(set(extra) - set(MIXING_OPTIONS))
-            if unknown:
-                raise OptionError("options", f"options: unknown mixing option(s) {', '.join(map(repr, unknown))}; "
-                                             f"valid: {', '.join(MIXING_OPTIONS)}")
-            flat = {**extra, **flat}
-        kwargs["mixing"] = settings_from(kwargs.get("mixing"), flat)
-        generated(self, *args, **kwargs)
+with_mixing_options = flat_options("mixing", MIXING_OPTIONS, settings_from, before=_older_options)
+"""Class decorator for a dataclass with a ``mixing: MixingSettings`` field.
 
-    cls.__init__ = __init__  # type: ignore[misc]
-    for name in MIXING_OPTIONS:
-        setattr(cls, name, property(lambda self, _n=name: getattr(self.mixing, _n),
-                                    doc=f"``mixing.{name}`` (see :class:`MixingSettings`)"))
-    return cls
+Its constructor also takes the options of :class:`MixingSettings` as flat
+keywords (``SimConfig(period=4, compression="int8")``), applied over
+``mixing=`` (or the defaults) at construction, so the object only ever holds
+one settings object; the flat names read back from it (``cfg.period``).
+``dataclasses.replace(cfg, period=8)`` works the same way (see
+:func:`gossip.core.options.flat_options`).
+"""
 
 
 def build_rules(settings: MixingSettings, topology: Any = None, *,
                 sender_scale: float | None = None) -> tuple[MixingRule, dict[str, tuple[MixingRule, int]] | None]:
     """A node's mixing rules: ``(rule, None)``, or with link policies ``(first rule,
-    {class: (rule, period)})`` for every link class (what :class:`gossip.node.Node` takes).
+    {class: (rule, period)})`` for every link class (what :class:`gossip.training.node.Node` takes).
 
     The only place settings become rules. ``topology``, when given, is checked now
     (CHOCO needs a static graph, on every link class). ``sender_scale`` makes every
     rule of this node a :class:`~gossip.mixing.adversary.ScaledSender` (a misbehaving
     node of a robustness experiment), on every link class.
     """
-    from topologies import restrict_links
-
-    from gossip.mixing import make_rule
     from gossip.mixing.adversary import ScaledSender
+    from topologies import restrict_links
 
     def one(s: MixingSettings, graph: Any) -> MixingRule:
         if sender_scale is not None:

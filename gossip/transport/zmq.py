@@ -36,7 +36,7 @@ from typing import Any, Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from gossip import wire
+from gossip.transport import wire
 
 __all__ = ["ZmqTransport", "BindError"]
 
@@ -84,7 +84,7 @@ class ZmqTransport:
     max_message_size : ROUTER MAXMSGSIZE in bytes (-1: unlimited)
     hwm : per-peer send high-water mark, in messages
     curve : optional CurveZMQ policy with ``setup_server(router)``, ``setup_client(dealer, peer_id)``,
-        ``check(routing_id, frame) -> reason | None`` and ``close()``, see :mod:`gossip.security`
+        ``check(routing_id, frame) -> reason | None`` and ``close()``, see :mod:`gossip.transport.security`
     io_threads : libzmq I/O threads; one thread tops out well below loopback or
         10 GbE speed on large messages, two roughly double it
     hold_control : seconds a control message (``droppable=False``) waits for its
@@ -93,14 +93,14 @@ class ZmqTransport:
         option would otherwise drop the first messages, such as the member list
         that tells a node it was dropped. State messages are never held.
     shaper : optional link emulator with ``transmit(src, dst, nbytes, now, droppable=)``
-        (a :class:`~gossip.transport.sim.SimNetwork`): each message leaves when it
+        (a :class:`~gossip.transport.links.SimNetwork`): each message leaves when it
         says (delay, bandwidth cap) or is dropped (loss). Off by default; for tests
         and demos of slow links on one machine.
     """
 
     #: Frames handed to :meth:`send` stay referenced until libzmq has sent them
     #: (zero-copy), so a sender can tell when it may change their memory
-    #: (:class:`gossip.buffers.SendLease`).
+    #: (:class:`gossip.core.buffers.SendLease`).
     holds_sends = True
 
     def __init__(self, node_id: str, listen: str, *, on_frames: Callable[[bytes, list], None],

@@ -1,0 +1,1 @@
+"""The shared vocabulary: messages, flat state, buffers, checkpoints, the actions programs yield."""

@@ -1,0 +1,1 @@
+"""A node made of a group of devices: torch.distributed inside, sharded gossip between groups."""

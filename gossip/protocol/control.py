@@ -1,0 +1,679 @@
+"""The control plane of a real peer: discovery, member lists, heartbeats, goodbyes.
+
+It runs on the transport's I/O thread, so liveness never waits for a long
+training step. It answers ``hello`` with the member list, spreads member lists
+(``members``), sends ``ping`` heartbeats carrying status, round and a member
+digest, declares silent members dead, and announces joins: when a new node
+says hello to a training cluster, the first member to hear it schedules the
+round from which it takes part (far enough ahead that every member hears of it)
+and tells everyone. It keeps saying hello to members declared dead, so that the
+two halves of a partition that healed meet again: then the smaller cluster's
+members join the larger one as new lives (see ``foreign`` in ``_control``).
+
+Every field of every control message is checked before use; a bad one is
+counted and logged once per peer and reason, and changes nothing. State
+messages (and state requests and replies) from a sender that is not a member
+are refused here, on the I/O thread, so a flood of them never queues up for
+the training thread. What is kept per unknown sender is capped, so senders
+cycling through made-up ids cannot grow this node's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from gossip.core.message import Message
+from gossip.protocol.detector import FailureDetector, Frame, HeartbeatDetector
+from gossip.protocol.effects import Effects
+from gossip.protocol.membership import Membership, cluster_after, stronger
+from gossip.protocol.swim_detector import SwimDetector
+from gossip.protocol.timing import DEFAULT_DETECTOR, DETECTORS, Timing
+from gossip.transport import wire
+
+__all__ = ["ControlPlane", "ControlFields", "Effects", "parse_control", "make_detector"]
+
+log = logging.getLogger("gossip.control")
+
+NODE_KINDS = frozenset({"state", "state-request", "state-reply", "average"})  # handled by the node thread
+MAX_CONFLICTS = 64  # peers we remember (and answer) for refusing to mix: each costs a connection
+MAX_LOGGED = 10_000  # (peer, reason) pairs logged once each
+MAX_PROBED = 64  # members declared dead we keep saying hello to (the most recent); lists that drop us kept
+BACKOFF_MAX = 8.0  # seconds between hellos to a seed that does not answer or a member declared dead, at most
+
+
+def _str_list(x: dict, key: str, limit: int = 4096, min_len: int = 1) -> list[str] | None:
+    v = x.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > limit or not all(
+            isinstance(e, str) and min_len <= len(e) <= 256 for e in v):
+        raise ValueError(key)
+    return v
+
+
+def _int_list(x: dict, key: str, n: int) -> list[int] | None:
+    v = x.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) != n or not all(isinstance(e, int) and not isinstance(e, bool)
+                                                         and 0 <= e < 2**63 for e in v):
+        raise ValueError(key)
+    return v
+
+
+@dataclass(frozen=True)
+class ControlFields:
+    """The checked fields of a control message's ``x`` map (None: absent)."""
+
+    inc: int
+    status: str
+    dc: str
+    seeding: bool
+    mids: list[str] | None
+    mincs: list[int] | None
+    mdcs: list[str] | None
+    base: list[str] | None
+    jids: list[str] | None
+    jrounds: list[int] | None
+    lids: list[str] | None
+    lrounds: list[int] | None
+    bincs: list[int] | None  # the lives the entries are about (absent or 0: not known)
+    jincs: list[int] | None
+    lincs: list[int] | None
+    digest: str | None
+    reason: Any
+
+
+def parse_control(msg: Message) -> ControlFields:
+    """Check every field a control message may carry; ValueError names a bad one."""
+    x = msg.extra
+    inc = x.get("inc")
+    if not isinstance(inc, int) or isinstance(inc, bool) or inc < 0:
+        raise ValueError("inc")
+    status = x.get("status")
+    if status not in ("waiting", "training", "done"):
+        raise ValueError("status")
+    dc = x.get("dc", "")
+    if not isinstance(dc, str) or len(dc) > 64:
+        raise ValueError("dc")
+    seeding = x.get("seeding", False)
+    if not isinstance(seeding, bool):
+        raise ValueError("seeding")
+    if msg.kind == "bye":
+        return ControlFields(inc, status, dc, seeding, *([None] * 11), None, x.get("reason", "left"))
+    mids = _str_list(x, "mids")
+    mincs = _int_list(x, "mincs", len(mids)) if mids is not None else None
+    mdcs = _str_list(x, "mdcs", min_len=0) if mids is not None else None
+    base = _str_list(x, "base")
+    jids = _str_list(x, "jids")
+    jrounds = _int_list(x, "jrounds", len(jids)) if jids is not None else None
+    lids = _str_list(x, "lids")
+    lrounds = _int_list(x, "lrounds", len(lids)) if lids is not None else None
+    bincs = _int_list(x, "bincs", len(base)) if base is not None and "bincs" in x else None
+    jincs = _int_list(x, "jincs", len(jids)) if jids is not None and "jincs" in x else None
+    lincs = _int_list(x, "lincs", len(lids)) if lids is not None and "lincs" in x else None
+    digest = x.get("digest")
+    return ControlFields(inc, status, dc, seeding, mids, mincs, mdcs, base, jids, jrounds, lids, lrounds, bincs,
+                         jincs, lincs, digest if isinstance(digest, str) else None, x.get("reason"))
+
+
+class ControlPlane:
+    """Membership protocol of one peer (I/O thread side).
+
+    Parameters
+    ----------
+    node_id, incarnation, fingerprint, dc : who this node is
+    membership : the shared member table (guarded by ``lock``)
+    send : ``send(dst_id, Message)`` through the transport
+    to_node : hands node-thread messages (state, state requests and replies) over
+    progress : returns this node's (status, round, step)
+    timing : the protocol's timings (:class:`~gossip.protocol.timing.Timing`)
+    seeds : ``HOST:PORT`` ids to contact until they answer
+    reconnect : ``reconnect(peer)`` when a member came back: open a fresh connection
+    excluded : ``excluded(round, by, cluster, merge)`` when this node, alive and
+        training, must join ``cluster`` (the members ``by`` trains with) as a new
+        life. Either ``by`` announces that this node leaves at ``round``: it was
+        declared dead (silent for longer than ``dead_after``, e.g. a paused
+        process; ``merge`` False). Or ``by`` trains in another cluster that does
+        not count this node while this node's does not count ``by``, and that
+        cluster is the stronger (``merge`` True; ``round`` is ``by``'s round): two
+        halves of a partition that healed, or clusters started apart, meet
+    clock : when given, read on every incoming message, so a message is timed when
+        it is handled (otherwise ``now`` is the last tick's time)
+    detector : the failure detector, or its name (``"swim"``, the default
+        (:data:`~gossip.protocol.detector.DEFAULT_DETECTOR`): :class:`~gossip.protocol.swim_detector.SwimDetector`;
+        ``"heartbeat"``: :class:`~gossip.protocol.detector.HeartbeatDetector`, every member pings
+        every other each ``heartbeat``)
+    """
+
+    def __init__(self, node_id: str, incarnation: int, fingerprint: str, dc: str, membership: Membership,
+                 lock: threading.RLock, send: Callable[[str, Message], None], to_node: Callable[[Message], None],
+                 progress: Callable[[], tuple[str, int, int]], *, timing: Timing,
+                 seeds: tuple[str, ...] = (), reconnect: Callable[[str], None] | None = None,
+                 excluded: Callable[[int, str], None] | None = None,
+                 clock: Callable[[], float] | None = None, detector: FailureDetector | str | None = None) -> None:
+        self.id, self.incarnation, self.fingerprint, self.dc = node_id, incarnation, fingerprint, dc
+        self.m = membership
+        self.lock = lock
+        self.send = send
+        self.to_node = to_node
+        self.progress = progress
+        self.timing = timing
+        self.reconnect = reconnect
+        self.excluded = excluded
+        self.seeds = {s: [0.0, timing.heartbeat] for s in seeds if s != node_id}  # id -> [next try, backoff]
+        self.probes: dict[str, list[float]] = {}  # member declared dead -> [next hello, backoff]
+        # training members whose lists drop us: who -> (its cluster, our leave round), since when
+        # (the evidence of one life: a new life starts without it, see new_life)
+        self.excluded_by: dict[str, tuple[set[str], int]] = {}
+        self.excluded_since = 0.0
+        self.rejected: Counter[str] = Counter()
+        self.conflicts: dict[str, str] = {}  # peer -> why we refuse it (fingerprint, version)
+        self._logged: set[tuple[str, str]] = set()
+        self._reject_lock = threading.Lock()  # the I/O thread and the node thread both count
+        self.digests: dict[str, str] = {}  # member -> the member digest it last reported
+        self.seeding: set[str] = set()  # members that still wait for one of their seeds to answer
+        self.last_change = 0.0
+        self.woke = -math.inf  # when this process last ran again after a stall of its own
+        self.last_ping = 0.0
+        self.now = 0.0
+        self.clock = clock
+        # who is alive: told of every message, asked every tick (see gossip.protocol.detector)
+        self._digest = ""  # the member digest the detector's messages carry (set before each call to it)
+        self.detector: FailureDetector = make_detector(detector, membership, timing, self._frame)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def reject(self, peer: str, reason: str, detail: str = "", *, count: bool = True) -> None:
+        """Count a refused message under ``reason`` (unless ``count`` is False: counted
+        elsewhere) and log it once per peer and reason."""
+        with self._reject_lock:
+            if count:
+                self.rejected[reason] += 1
+            if (peer, reason) in self._logged or len(self._logged) >= MAX_LOGGED:
+                return
+            self._logged.add((peer, reason))
+        log.warning("%s: rejected a message from %s: %s%s", self.id, peer[:64], reason,
+                    f" ({detail})" if detail else "")
+
+    def _conflict(self, peer: str, why: str, *, replace: bool = True) -> bool:
+        """Remember that we refuse ``peer`` (bounded); False if it was not remembered."""
+        if peer not in self.conflicts and len(self.conflicts) >= MAX_CONFLICTS:
+            return False
+        if replace or peer not in self.conflicts:
+            self.conflicts[peer] = why
+        return True
+
+    def _message(self, kind: str, **extra: Any) -> Message:
+        status, rnd, step = self.progress()
+        x = {"inc": self.incarnation, "status": status, "dc": self.dc, "seeding": bool(self.seeds), **extra}
+        return Message(kind, self.id, rnd, step, 0, None, None, x, self.fingerprint)
+
+    def _members_message(self, kind: str = "members") -> Message:
+        with self.lock:
+            report = self.m.report()
+            x: dict[str, Any] = {"mids": [r[0] for r in report], "mincs": [r[1] for r in report],
+                                 "mdcs": [self.m.members[r[0]].dc for r in report]}
+            if self.m.started:
+                base = sorted(self.m.base)
+                joins = sorted(self.m.joins.items())
+                leaves = sorted(self.m.leaves.items())
+                x.update(base=base, jids=[j for j, _ in joins], jrounds=[r for _, r in joins],
+                         lids=[j for j, _ in leaves], lrounds=[r for _, r in leaves])
+                # the life each entry is about, so that every node applies them alike in any
+                # order (0: not known, e.g. this node's own life is its incarnation)
+                life = self.m.lives.get
+                x.update(bincs=[self.incarnation if b == self.id else life(b, 0) for b in base],
+                         jincs=[self.incarnation if j == self.id else life(j, 0) for j, _ in joins],
+                         lincs=[life(j, 0) for j, _ in leaves])
+        return self._message(kind, **x)
+
+    def _frame(self, kind: str, fields: dict) -> Message:
+        """A detector's message of ``kind``, framed as this node's (see gossip.protocol.detector)."""
+        return self._message(kind, digest=self._digest, **fields)
+
+    def _note_round(self) -> None:
+        """This node's round into its own record of the member table (call with ``lock``
+        held). Leave and join rounds are announced past the furthest round a member
+        reports (``Membership.max_round``), this node's included: a node that has just
+        joined may hear no trainer but itself, and a leave it announces then must not
+        be for a round its cluster has passed."""
+        self.m.members[self.id].round = self.progress()[1]
+
+    def announce_status(self) -> Effects:
+        """A ping to every member now, with this node's status (it just changed). With
+        SWIM a member hears another only when a probe meets it, once per pass of the
+        probe order (n - 1 periods): a finished node would wait that long to learn that
+        all the others finished too."""
+        with self.lock:
+            digest = self.m.digest()
+        return Effects(broadcasts=[self._message("ping", digest=digest)])
+
+    def announce_members(self) -> Effects:
+        """This node's member list (and schedule) to every member now."""
+        return Effects(broadcasts=[self._members_message()])
+
+    # -- incoming --------------------------------------------------------------------------
+    def on_frames(self, ident: bytes, frames: list) -> None:
+        """Decode, check and dispatch one incoming multipart (the shell: it carries out
+        the effects that :meth:`handle` returns)."""
+        peer = ident.decode(errors="replace")
+        if self.clock is not None:
+            self.now = self.clock()
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError as e:
+            if e.reason == "version":
+                self._conflict(peer, e.detail, replace=False)
+            self.reject(peer, e.reason, e.detail)
+            return
+        if msg.sender != peer:
+            self.reject(peer, "sender-mismatch", f"header says {str(msg.sender)[:64]!r}")
+            return
+        if not isinstance(msg.sender, str):
+            self.reject(peer, "header", "sender id must be a string")
+            return
+        if msg.kind in NODE_KINDS:
+            with self.lock:
+                member = self.m.members.get(peer)
+                if member is not None:
+                    self.detector.heard(peer, self.now)
+            if member is None:
+                self.reject(peer, "not-member", f"{msg.kind} from a node that is not a member")
+                return
+            self.to_node(msg)  # the node thread checks membership, fingerprint, payload
+            return
+        try:
+            effects = self.handle(msg, self.now)
+        except (ValueError, TypeError, KeyError) as e:
+            self.reject(peer, "control", f"bad field {e}")
+            return
+        self.apply(effects)
+
+    def apply(self, fx: Effects) -> None:
+        """Carry out what a message, a tick or a command decided (the shell: the only
+        place, with :meth:`on_frames`, where the control plane reaches the transport)."""
+        if fx.verdict is not None and self.excluded is not None:
+            self.excluded(*fx.verdict)
+        for mid in fx.reconnect if self.reconnect is not None else ():
+            # a connection that kept retrying a dead life backs off for seconds: start afresh
+            self.reconnect(mid)
+        for dst, msg in fx.sends:
+            self.send(dst, msg)
+        if fx.broadcasts:
+            with self.lock:
+                others = self.m.others()
+            for msg in fx.broadcasts:
+                for peer in others:
+                    self.send(peer, msg)
+
+    def handle(self, msg: Message, now: float) -> Effects:
+        """One control message (hello, members, ping, pong, bye, swim) from ``msg.sender`` at
+        ``now``: updates the member table and returns what to send, whom to
+        reconnect, and any verdict on this node. Raises ValueError (TypeError,
+        KeyError) naming a bad field; then nothing changed."""
+        if msg.kind == "swim":
+            return self._on_swim(msg, now)
+        f = parse_control(msg)
+        peer = msg.sender
+        fx = Effects()
+        if msg.kind == "bye":
+            self._on_bye(peer, f, now)
+            return fx
+        if msg.fingerprint != self.fingerprint:
+            why = (f"fingerprint mismatch: {peer} has model fingerprint {msg.fingerprint[:32]!r}, this node "
+                   f"{self.fingerprint!r}; refusing to mix with it")
+            remembered = self._conflict(peer, why)
+            self.reject(peer, "fingerprint", why)
+            if msg.kind == "hello" and remembered:  # bounded: each answer opens a connection
+                fx.sends.append((peer, self._message("bye", reason=why)))
+            self.seeds.pop(peer, None)
+            return fx
+        self.seeds.pop(peer, None)  # it answered: stop retrying it as a seed
+        with self.lock:
+            self._note_round()
+            new_member, reply = self._update(msg, f, now, fx)
+            fx.reconnect = self.m.take_renewed()
+        if reply:
+            fx.sends.append((peer, self._members_message()))
+        if new_member:
+            fx.broadcasts.append(self._members_message())
+        elif msg.kind == "ping" and f.digest is not None and f.digest != self.m.digest():
+            fx.sends.append((peer, self._members_message()))  # anti-entropy: it sees a different member set
+        return fx
+
+    def _on_swim(self, msg: Message, now: float) -> Effects:
+        """A failure detector's own message (SWIM): every field checked first, read as
+        a ping of the sender's life (status, round, member digest), then handed to
+        the detector, whose replies go back framed as this node's messages."""
+        fx = self.handle(self.detector.control_view(msg), now)  # ValueError: not the detector's kind
+        with self.lock:
+            member = self.m.members.get(msg.sender)
+            if msg.fingerprint != self.fingerprint or member is None or member.incarnation > msg.extra["life"]:
+                return fx  # refused as a ping, or from an older life
+            self._digest = self.m.digest()
+            return fx.add(self.detector.receive(msg, now))
+
+    def _on_bye(self, peer: str, f: ControlFields, now: float) -> None:
+        with self.lock:
+            m = self.m.members.get(peer)
+            if m is not None and f.inc >= m.incarnation:
+                self.m.remove(peer, f"said goodbye ({str(f.reason or 'left')[:200]})", departed=True, now=now)
+                self.last_change = now
+            if str(f.reason or "").startswith("fingerprint"):
+                self._conflict(peer, str(f.reason)[:300])
+        self.seeds.pop(peer, None)
+
+    def _update(self, msg: Message, f: ControlFields, now: float, fx: Effects) -> tuple[bool, bool]:
+        """The member table learns what ``msg`` says (call with the lock held).
+        Returns (whether the member set or schedule changed, whether to reply)."""
+        peer, inc, status = msg.sender, f.inc, f.status
+        before = self.m.version
+        old = self.m.members.get(peer)
+        if old is None and self.m.departed.get(peer, -1) >= inc:
+            # that life said goodbye: what it sent before (late, or a duplicate) says nothing
+            # now. A node that starts afresh meanwhile (its cluster finished) would take the
+            # finished cluster's schedule from it, and then settle with nobody
+            return False, False
+        restarted = old is not None and inc > old.incarnation  # a new life of a node we knew
+        # the peer's life this node's schedule counts (else the table's) ended when a newer
+        # one speaks, whether the table learned of the newer life from the peer itself or,
+        # before, from a member list (merge takes a newer life silently: its first direct
+        # message is then no restart, and the old life would stay counted for good)
+        counted = self.m.lives.get(peer, old.incarnation if old is not None else None)
+        ended = counted if counted is not None and counted < inc else None
+        # the peer's cluster (as it will be once its announced changes take effect)
+        theirs = None if f.base is None else cluster_after(f.base, f.jids or (), f.lids or ())
+        ours = self.m.eventual()
+        # the peer's lists describe another cluster when neither cluster counts the other
+        # node: they change nothing here. A node that waits to join a cluster this node
+        # is not in says so too; its join round there is not one here.
+        # (a new life of a member counts as that member only once its own join is heard)
+        other = theirs is not None and self.m.started and self.id not in theirs \
+            and not (peer in ours and self.m.counts(peer, inc))
+        # another cluster that trains, met by a node that trains: the halves of a
+        # partition that healed meet so (each side announced the other's leaves), and so
+        # do clusters started apart (a seed that answered late). The stronger goes on;
+        # each member of the other joins it as a new life.
+        foreign = other and status == "training" and self.progress()[0] == "training"
+        if foreign and stronger(theirs, ours):  # type: ignore[arg-type]
+            # (its view may still count some of ours: we join its own members)
+            fx.verdict = (msg.round, peer, theirs - ours, True)  # type: ignore[operator]
+        # while joining another cluster, only its members' lists count
+        lists = not other and (not self.m.target or peer in self.m.target)
+        self.m.heard(peer, inc, now, status=status, round=msg.round, step=msg.progress, dc=f.dc,
+                     fingerprint=msg.fingerprint)
+        if f.mids is not None and f.mincs is not None:
+            self.m.merge(zip(f.mids, f.mincs), now)
+            if f.mdcs is not None and len(f.mdcs) == len(f.mids):
+                for mid, mdc in zip(f.mids, f.mdcs):
+                    if mid in self.m.members and not self.m.members[mid].dc:
+                        self.m.members[mid].dc = mdc
+        if lists and f.base is not None and not self.m.started and status in ("training", "done"):
+            self._learn_start(f)
+        # leaves before joins: a restarted member's old life leaves before its new one joins
+        if lists and f.lids is not None and f.lrounds is not None:
+            self._learn_leaves(peer, f, theirs, now)
+        if lists and f.jids is not None and f.jrounds is not None:
+            for j, r, ji in zip(f.jids, f.jrounds, f.jincs or [0] * len(f.jids)):
+                self.m.announce_join(j, r, ji or None)
+        if f.digest is not None:
+            self.digests[peer] = f.digest
+        if f.seeding and peer in self.m.members:
+            self.seeding.add(peer)
+        else:
+            self.seeding.discard(peer)
+        new_member = self.m.version != before
+        my_status, my_round, _ = self.progress()
+        if new_member:
+            self.last_change = now
+        if ended is not None and my_status == "training" and self.m.started and peer in self.m.eventual():
+            # a new life of a member we train with: its old life sends no more. It leaves
+            # at an announced round (its new life joins when it says hello to someone,
+            # maybe in another cluster, see foreign above)
+            self.m.announce_leave(peer, self.m.max_round() + self.timing.leave_margin, ended)
+        if msg.kind != "hello":
+            return new_member, False
+        active = self.m.counts(peer, inc)
+        # (a hello from a training node that is not active here comes from another
+        # cluster: not a joiner; nor is a node that waits to join another cluster)
+        if my_status == "training" and self.m.started and status == "waiting" and (restarted or not active) \
+                and not other:
+            # a node joins a running cluster (a new one, or a new life of a member):
+            # everyone adopts it from the same future round, after its old life left
+            eff = max(max(my_round, self.m.max_round()) + self.timing.join_margin, self.m.leaves.get(peer, 0))
+            self.m.announce_join(peer, eff, inc)
+            log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
+            new_member = True
+        return new_member, True
+
+    def _learn_start(self, f: ControlFields) -> None:
+        """We learn how the running cluster started; if it started with an earlier
+        life of ours (it lists another incarnation of us, or our leave), we are not
+        one of its starters any more but a node that joins."""
+        base = f.base or []
+        listed = dict(zip(f.mids, f.mincs)) if f.mids is not None and f.mincs is not None else {}
+        former = listed.get(self.id, self.incarnation) != self.incarnation or self.id in (f.lids or ())
+        if f.bincs is not None and self.id in base and f.bincs[base.index(self.id)] not in (0, self.incarnation):
+            former = True  # it started with an earlier life of ours
+        elif self.id in base and self.id in (f.lids or ()) and listed.get(self.id, self.incarnation) == self.incarnation:
+            # it started with this very life, which left before it trained: that life
+            # cannot join again (the schedule holds one life per member); a new one can
+            lincs = dict(zip(f.lids or (), f.lincs or [0] * len(f.lids or ())))
+            self.m.spent = lincs.get(self.id) in (0, self.incarnation)
+        starters = [(b, i) for b, i in zip(base, f.bincs or [0] * len(base)) if not (former and b == self.id)]
+        self.m.start([b for b, _ in starters], [i or None for _, i in starters])
+
+    def _learn_leaves(self, peer: str, f: ControlFields, theirs: set[str] | None, now: float) -> None:
+        rejoining = set(f.jids or ())
+        for j, r, li in zip(f.lids or [], f.lrounds or [], f.lincs or [0] * len(f.lids or [])):
+            if j == self.id:
+                # a leave not after our own first round, or of another life, is an
+                # earlier life's, long done
+                if f.status != "waiting" and self.progress()[0] == "training" and theirs is not None \
+                        and r > self.m.joins.get(self.id, 0) and li in (0, self.incarnation) \
+                        and len(self.excluded_by) < MAX_PROBED:
+                    self.excluded_since = self.excluded_since if self.excluded_by else now
+                    self.excluded_by[peer] = (theirs, r)  # judged in tick()
+                continue
+            member = self.m.members.get(j)
+            # take another node's word for a death only if we have not heard from it
+            # lately ourselves (one false suspicion must not evict a live member), or
+            # when the same list schedules its new life (a restart, not a suspicion),
+            # or when we join the sender's cluster (we take its lists as they are)
+            if member is None or now - member.last_seen > self.timing.dead_after / 2 or j in rejoining \
+                    or peer in self.m.target or (li and member.incarnation > li):
+                self.m.announce_leave(j, r, li or None)
+
+    # -- timers ----------------------------------------------------------------------------
+    def tick(self, now: float) -> Effects:
+        """Heartbeats, seed retries and the failure detector: what to send now, the members
+        just declared dead (``dead``), and any verdict on this node."""
+        self.now = now
+        fx = Effects()
+        with self.lock:
+            self._digest = self.m.digest()
+            verdicts = self.detector.tick(now)
+        if verdicts.stalled:
+            # this process did not run (suspended, swapped out): the detector did not count
+            # that as the members' silence
+            log.warning("%s: this node stalled for %.1f s; not counting that as the members' silence",
+                        self.id, verdicts.stalled)
+            # what it knew of the others is that old now, and what waited in its socket
+            # too: a start must settle again on what they say from now on (see settled)
+            self.woke = self.last_change = now
+        for mid in verdicts.suspected:
+            log.info("%s: member %s is suspected", self.id, mid)
+        for mid in verdicts.alive:
+            log.info("%s: member %s is alive again", self.id, mid)
+        for seed, state in list(self.seeds.items()):
+            if now >= state[0]:
+                if state[1] > self.timing.heartbeat:
+                    log.warning("%s: peer %s does not answer; retrying in %.1f s", self.id, seed, state[1])
+                fx.sends.append((seed, self._members_message("hello")))
+                state[0] = now + state[1]
+                state[1] = min(state[1] * 2, BACKOFF_MAX)  # exponential backoff, capped
+        with self.lock:
+            self._note_round()
+            for mid in verdicts.dead:
+                if self.m.remove(mid, f"silent for more than {self.timing.dead_after:g} s"):
+                    fx.dead.append(mid)
+            for mid in verdicts.left:  # as its goodbye would have (see _on_bye)
+                if self.m.remove(mid, "left (another member heard its goodbye)", departed=True, now=now):
+                    self.last_change = now
+            confirmed = self.m.confirm_dead(now) if self.m.suspects else []
+            digest = self.m.digest()
+        if confirmed:
+            log.warning("%s: members it found dead before it trained are still silent; their leaves are "
+                        "announced: %s", self.id, ", ".join(confirmed))
+        if fx.dead or confirmed:
+            self.last_change = now
+            self._to_all(fx, self._members_message())  # the leave rounds, so all adopt them together
+        for _, msg in verdicts.sends:  # the detector's messages carry the digest after the removals
+            msg.extra["digest"] = digest
+        fx.sends += verdicts.sends
+        if now - self.last_ping >= self.timing.heartbeat:
+            self.last_ping = now
+            with self.lock:
+                lost = [d for d in self.m.dead if d not in self.m.members][-MAX_PROBED:]
+            self._probe(now, lost, fx)
+        if self.excluded_by and now - self.excluded_since >= 1.5 * self.timing.dead_after:
+            self._judge_exclusion(now, fx)
+        return fx
+
+    def _to_all(self, fx: Effects, msg: Message) -> None:
+        """``msg`` to every other member as the table stands now."""
+        with self.lock:
+            others = self.m.others()
+        fx.sends += [(peer, msg) for peer in others]
+
+    def _judge_exclusion(self, now: float, fx: Effects) -> None:
+        """Training members' lists dropped this node ``1.5 * dead_after`` ago: the
+        cluster declared it dead while it was alive (silent for too long, e.g. a
+        paused process). It joins again as a new life if that still holds now for
+        one of them: the member is alive, and every other member this node trains
+        with trains on in that member's cluster. Judged after a wait, not at once:
+        as a partition forms, one side's lists may reach the other for a moment;
+        by now this node has declared that side dead too, and the clusters meet
+        later as foreign ones (see ``foreign`` in _control).
+
+        A member that is alive, that this node still trains with, and whose lists
+        drop this node while others this node trains with are not in its cluster,
+        is the one out of line (it dropped members that the rest still count):
+        this node drops it in turn. Otherwise the two would stay apart for good,
+        neither sending to the other (its lists never take this node back, and
+        each node it dropped would wait for the others to be counted first). Once
+        dropped, it sees this node's cluster as another one, and of the two the
+        stronger goes on (see ``foreign``)."""
+        evidence, self.excluded_by = self.excluded_by, {}
+        with self.lock:
+            ours = self.m.eventual() - {self.id}
+            alive = {k for k, m in self.m.members.items() if now - m.last_seen <= self.timing.dead_after}
+        for by, (theirs, rnd) in sorted(evidence.items()):
+            if by in alive and by in ours and ours <= theirs:
+                if self.progress()[0] == "training":
+                    fx.verdict = (rnd, by, theirs, False)
+                return
+        if self.progress()[0] != "training":
+            return
+        for by, (theirs, _) in sorted(evidence.items()):
+            if by in alive and by in ours:
+                self._drop(by, f"its member lists drop this node and {', '.join(sorted(ours - theirs))}, "
+                               "which the others train with", fx)
+
+    def _probe(self, now: float, lost: list[str], fx: Effects) -> None:
+        """Say hello now and then (backing off) to members declared dead for their
+        silence. A crashed one never answers; one behind a partition that healed
+        answers, and the two clusters meet again (see ``foreign`` in _control)."""
+        probes = {}
+        for mid in lost:
+            state = self.probes.get(mid) or [now + self.timing.dead_after, self.timing.dead_after]
+            if now >= state[0]:
+                fx.sends.append((mid, self._members_message("hello")))
+                state[0] = now + state[1]
+                state[1] = min(state[1] * 2, BACKOFF_MAX)
+            probes[mid] = state
+        self.probes = probes
+
+    def drop(self, mid: str, reason: str) -> Effects:
+        """Remove a live member as if it had died (e.g. it trains out of step with this
+        cluster) and tell everyone its leave round. It hears of it from the lists and
+        joins again as a new life, see ``excluded``."""
+        fx = Effects()
+        self._drop(mid, reason, fx)
+        return fx
+
+    def _drop(self, mid: str, reason: str, fx: Effects) -> None:
+        with self.lock:
+            self._note_round()
+            if not self.m.remove(mid, reason):
+                return
+            self.last_change = self.now
+        members = self._members_message()
+        self._to_all(fx, members)
+        fx.sends.append((mid, members))
+
+    def new_life(self, incarnation: int) -> None:
+        """This node starts a new life (call with ``lock`` held, with the membership's
+        new_life): what the lists said of its previous life is no evidence about it."""
+        self.incarnation = incarnation
+        self.excluded_by = {}
+        self.detector.new_life(incarnation)  # each life's detector starts afresh
+
+    def hello_all(self, peers: list[str]) -> Effects:
+        """A hello (with this node's member list) to each of ``peers``."""
+        return Effects(sends=[(p, self._members_message("hello")) for p in peers])
+
+    def goodbye(self, reason: str) -> Effects:
+        """A goodbye to every member: nobody waits for this node's silence."""
+        return Effects(broadcasts=[self._message("bye", reason=reason)])
+
+    def settled(self, now: float, settle: float, *, seeds: bool = True) -> tuple[bool, str]:
+        """Whether a fresh cluster may start: every known member waits for the start,
+        reports our member set, and the set has not changed for ``settle`` seconds.
+        With ``seeds``, also every ``--peers`` seed of every member has answered: two
+        halves of a cluster that came up at different speeds must not start apart.
+        After a stall of this process, each member must have spoken again since: the
+        rest may have started without it meanwhile. The second value says what is
+        still awaited (for the log)."""
+        with self.lock:
+            if now - self.last_change < settle:
+                return False, f"member set changed {now - self.last_change:.1f} s ago"
+            if seeds and self.seeds:
+                return False, f"seed {next(iter(self.seeds))} has not answered"
+            waiting_for_seeds = sorted(self.seeding.intersection(self.m.members)) if seeds else []
+            if waiting_for_seeds:
+                return False, f"{waiting_for_seeds[0]} waits for one of its seeds"
+            mine = self.m.digest()
+            for mid, member in self.m.members.items():
+                if mid == self.id:
+                    continue
+                if member.status_at <= self.woke:
+                    # it slept through (part of) the settle: the others may have started
+                    # without it, and their start announcement went to the members they kept
+                    return False, f"{mid} has not spoken since this node stalled"
+                if member.status != "waiting":
+                    return False, f"{mid} is {member.status}"
+                if self.digests.get(mid) != mine:
+                    return False, f"{mid} reports a different member set"
+            return True, ""
+
+
+def make_detector(detector: FailureDetector | str | None, membership: Membership, timing: Timing,
+                  frame: Frame) -> FailureDetector:
+    """The detector named ``detector`` (one of :data:`~gossip.protocol.timing.DETECTORS`; None:
+    the default) for ``membership``, framing its messages with ``frame``, or ``detector``
+    itself when it is one already."""
+    if detector is None:
+        detector = DEFAULT_DETECTOR
+    if detector == "heartbeat":
+        return HeartbeatDetector(membership, timing, frame)
+    if detector == "swim":
+        return SwimDetector(membership, timing, frame)
+    if isinstance(detector, str):
+        raise ValueError(f"detector must be one of {', '.join(DETECTORS)}, got {detector!r}")
+    return detector

@@ -1,0 +1,621 @@
+"""The life of one peer, as a program that a driver advances.
+
+Discovery, a fresh start, a join (the join round, the state pull), training,
+a new life after the cluster dropped this node (or after it met a stronger
+cluster), and the finish are generators here, like :meth:`gossip.training.node.Node.program`.
+They never sleep, never read a clock and never touch a socket: they yield
+what they need and the driver answers with the time of its clock.
+
+``Poll(timeout)``
+    "handle what arrives for me (control messages, state messages, state
+    requests and replies), then resume me, after at most ``timeout`` seconds".
+    A driver may resume it earlier, as soon as something arrived.
+``Compute()``, ``Send(messages)``, ``Release(lease, timeout)``
+    passed through from the node program (see :mod:`gossip.training.node`); its
+    ``Wait`` becomes ``Poll`` s here (a wait also ends when every neighbour
+    still awaited was declared dead, or when this node must start a new life).
+
+The real driver (:class:`gossip.peer.driver.Peer`) answers with ``time.monotonic`` and
+a ZeroMQ I/O thread; the simulated one (:mod:`gossip.sim.cluster`) with a
+virtual clock over a simulated network. Messages that arrive for the
+training side go to :meth:`Lifecycle.handle`.
+
+Parts, each owning its state: :class:`Lifecycle` (status, the node, new lives,
+the training loop), :class:`~gossip.protocol.joining.Joining` (the join round, the
+state pull, ``--resume``), :class:`~gossip.protocol.control.ControlPlane` (member lists,
+with its failure detector) over the :class:`~gossip.protocol.membership.Membership` table.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+from gossip.compression import get_codec
+from gossip.core.actions import POLL0, Compute, Poll, Program, Wait
+from gossip.core.checkpoint import (
+    checkpoint_step,
+    latest_checkpoint,
+    load_members,
+    save_checkpoint,
+    save_members,
+)
+from gossip.core.message import Message
+from gossip.core.state import sha256_of
+from gossip.mixing.settings import build_rules
+from gossip.protocol.config import PeerConfig
+from gossip.protocol.control import ControlPlane
+from gossip.protocol.errors import PeerError
+from gossip.protocol.joining import ClusterGone, Joining
+from gossip.protocol.membership import Membership, out_of_step, topology_for
+from gossip.training.node import Node, NodeConfig
+from gossip.transport.addresses import parse_address
+
+__all__ = ["Lifecycle", "LATE_ROUNDS"]
+
+log = logging.getLogger("gossip.peer")
+
+LATE_ROUNDS = 3  # synchronous rounds timed out in a row before the node looks for a neighbour out of step
+AHEAD = 4  # state messages held for a member list not adopted yet (see Lifecycle.ahead)
+POLL = 0.05  # seconds between looks at the member table while waiting (a driver may wake earlier)
+
+
+def _is_address(text: str) -> bool:
+    try:
+        return parse_address(text) == text
+    except ValueError:
+        return False
+
+
+class Lifecycle:
+    """What one peer does, and the state that belongs to it (sans-IO).
+
+    Parameters
+    ----------
+    cfg : the peer's settings
+    task, device, fingerprint : the node's task (None with a user ``model``), device, model fingerprint
+    incarnation : this process's first life
+    send : ``send(dst, Message)``: control traffic, never blocks
+    reconnect : ``reconnect(peer)``: open a fresh connection towards a member that came back
+    new_incarnation : ``new_incarnation(previous) -> int``, larger than ``previous`` (a new life)
+    live_sends : whether the driver's transport holds sent tensors until sent (see NodeConfig)
+    origin : the driver time the node program counts from
+    clock : the driver's clock, which the control plane reads when a message arrives
+        (the one the driver answers with; see :class:`~gossip.protocol.control.ControlPlane`)
+    """
+
+    def __init__(self, cfg: PeerConfig, *, task: Any, device: torch.device, fingerprint: str, incarnation: int,
+                 send: Callable[[str, Message], None], reconnect: Callable[[str], None],
+                 new_incarnation: Callable[[int], int], live_sends: bool = False,
+                 origin: float = 0.0, clock: Callable[[], float] | None = None,
+                 model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.cfg = cfg
+        self.id = cfg.node_id
+        self.task, self.device, self.fingerprint = task, device, fingerprint
+        self.incarnation = incarnation
+        self.origin = origin
+        self.live_sends = live_sends
+        self.user_model, self.user_optimizer = model, optimizer
+        self.send_message = send
+        self.new_incarnation = new_incarnation
+        self.lock = threading.RLock()  # the member table, shared with the driver's I/O side
+        self.stop = threading.Event()  # set by the driver (a signal): end after the current step
+        self.membership = Membership(self.id, incarnation, fingerprint, cfg.dc, timing=cfg.timing)
+        self.control = ControlPlane(self.id, incarnation, fingerprint, cfg.dc, self.membership, self.lock, send,
+                                    self._to_node, self.progress, timing=cfg.timing,
+                                    seeds=tuple(parse_address(p) for p in cfg.peers), reconnect=reconnect,
+                                    excluded=self.on_excluded, clock=clock,
+                                    detector=cfg.detector)
+        self.to_node: Callable[[Message], None] = self.handle  # the real driver queues them for its thread
+        self.status = "waiting"
+        self.node: Node | None = None
+        self.interrupted = False
+        self.rejoins = 0  # new lives started after the cluster declared this node dead while it was alive
+        self.merges = 0  # of which: joining a stronger cluster met after a partition
+        self.excluded: int | None = None  # the leave round the cluster announced for this (live) node
+        self.rejoin_via: str | None = None  # the member that announced it (asked first to take us back)
+        self.rejoin_cluster: set[str] = set()  # the members of the cluster to join
+        self.merging = False  # it is another cluster (met after a partition), not ours
+        # the step this node resumes from (--resume), told to the others while it waits: a
+        # cluster restarted as a whole starts at the furthest of its members' checkpoints
+        ck = latest_checkpoint(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None
+        self.resume_step = checkpoint_step(ck) if ck is not None else 0
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        self.train_seconds = 0.0
+        self.trained_steps = 0
+        self.max_step_gap = 0.0
+        self.timed_out_rounds = 0  # synchronous rounds that waited --timeout in vain
+        self.late = 0  # of which in a row (reset by a round that completed)
+        self.node_rejected: Counter[str] = Counter()
+        self.topologies: dict[tuple, Any] = {}
+        self.dcs: dict[str, str] = {}  # datacenter label of every member we trained with (bytes by link class)
+        # state messages that arrived before our node existed, with their sender's life then
+        self.early: list[tuple[Message, int | None]] = []
+        # state messages of this or the next round from a live node not (yet) in the node's
+        # member list: a joiner's first round can arrive before this node adopts the list
+        # that has it (see apply_members); a few at most, each holds a model
+        self.ahead: list[Message] = []
+        self.incarnations: dict[str, int | None] = {}  # sender -> the life whose sequence numbers we track
+        self.on_average: Any = None  # GossipNode's collectives: called with each "average" message
+        self.serving = False  # done, but still taking part in rounds for the members that train (GossipNode)
+        self.last_step_at: float | None = None
+        # with ``audit`` (the simulator's checks): (member, sha256) of every state handed over
+        # to a joiner, and (donor, sha256) of the state this life took
+        self.audit = False
+        self.handed: list[tuple[str, str]] = []
+        self.on_node: Callable[[Node], None] | None = None  # called with each life's node once built
+        self.joining = Joining(self)  # joins: the round, the state pulled, --resume
+
+    # the join's outcome, as the reports read it
+    joined = property(lambda self: self.joining.joined)
+    state_from = property(lambda self: self.joining.state_from)
+    resumed_from = property(lambda self: self.joining.resumed_from)
+    took = property(lambda self: self.joining.took)
+
+    # -- what the control plane asks --------------------------------------------------------
+    def progress(self) -> tuple[str, int, int]:
+        node = self.node
+        return self.status, (node.round if node else 0), (node.step if node else self.resume_step)
+
+    def _to_node(self, msg: Message) -> None:
+        self.to_node(msg)
+
+    def on_excluded(self, rnd: int, by: str, cluster: set[str], merge: bool) -> None:
+        """The control plane's verdict: this node, alive and training, must join
+        ``cluster`` as a new life (the training side sees it after its current step)."""
+        if self.excluded is None and not self.stop.is_set() and self.status == "training":
+            if merge:
+                with self.lock:
+                    ours = len(self.membership.eventual())
+                log.warning("%s: %s trains in another cluster, of %d members (this node's has %d): the halves "
+                            "of a partition that healed, or clusters started apart, met. The larger goes on "
+                            "(equal sizes: the one with the smallest id); this node joins it as a new life, "
+                            "with a member's state", self.id, by, len(cluster), ours)
+            else:
+                log.warning("%s: %s announces that this node leaves at round %d: the cluster declared it dead "
+                            "while it was alive (silent for more than --dead-after %g s, e.g. a paused "
+                            "process); joining again as a new life", self.id, by, rnd, self.cfg.timing.dead_after)
+            self.excluded, self.rejoin_via, self.merging = rnd, by, merge
+            self.rejoin_cluster = set(cluster)
+
+    # -- the whole life ---------------------------------------------------------------------
+    def program(self) -> Program:
+        """Discover, start, train (and train again after each new life), finish.
+        Returns False if stopped before starting."""
+        mode = yield from self.discover()
+        if mode is None:
+            return False
+        while True:
+            try:
+                yield from self.begin(mode)
+                break
+            except ClusterGone as e:
+                # the cluster it waited to join is gone (every member that trained died or
+                # restarted): its schedule describes nothing now; discover afresh, as a new life
+                log.warning("%s: %s; looking for a cluster again", self.id, e)
+                yield from self.start_over()
+                mode = yield from self.discover()
+                if mode is None:
+                    return False
+        yield from self.train()
+        while self.excluded is not None and not self.stop.is_set():
+            yield from self.rejoin()
+            yield from self.train()
+        yield from self.finish()
+        return True
+
+    def discover(self) -> Program:
+        """Wait until we can start; returns "fresh", "member" or "join" (None if stopped)."""
+        cfg = self.cfg
+        start = yield POLL0
+        seeds = [parse_address(p) for p in cfg.peers]
+        self.control.apply(self.control.hello_all([s for s in seeds if s != self.id]))
+        # a restarted process also asks the members it last trained with: its seeds may be
+        # restarting too while the cluster trains on elsewhere (they hold no start back)
+        former = [m for m in load_members(cfg.checkpoint_dir) if m != self.id and m not in seeds
+                  and _is_address(m)] if cfg.resume and cfg.checkpoint_dir else []
+        warned = False
+        last_note = asked = last_former = start
+        self.control.apply(self.control.hello_all(former))
+        while not self.stop.is_set():
+            now = yield Poll(POLL)
+            if former and now - last_former >= max(1.0, 2 * cfg.timing.heartbeat) and now - start < cfg.timing.join_timeout:
+                last_former = now
+                with self.lock:
+                    unheard = [m for m in former if m not in self.membership.members]
+                self.control.apply(self.control.hello_all(unheard))
+            with self.lock:
+                others = self.membership.others()
+                running = [m for m in others if self.membership.members[m].status in ("training", "done")]
+                base_known = self.membership.started
+                in_base = self.id in self.membership.base
+                # a schedule none of whose other members counts in the life it has now:
+                # they all restarted or died before this node trained (it may have slept
+                # through the start, then taken the announcement from its backlog)
+                gone = not running and self.membership.orphaned()
+                spent = self.membership.spent
+            if gone:
+                log.warning("%s: no member of the cluster it would start with counts in it any more (they "
+                            "restarted or died before it trained); looking for a cluster again", self.id)
+                yield from self.start_over()
+                continue
+            if spent:
+                log.warning("%s: the cluster started with this node and dropped it before it trained (silent "
+                            "for more than --dead-after s); joining it as a new life", self.id)
+                yield from self.start_over()
+                continue
+            if running:
+                if base_known:
+                    return "member" if in_base else "join"
+                if now - asked >= cfg.timing.heartbeat:
+                    # a ping said "training" before the start announcement (with the starting
+                    # member set) got here, e.g. over a slower link: ask for the member set
+                    asked = now
+                    self.control.apply(self.control.hello_all(running[:1]))
+                continue
+            if others:
+                # a seed that never answers stops holding the start back after join_timeout
+                ok, why = self.control.settled(now, cfg.timing.settle, seeds=now - start < cfg.timing.join_timeout)
+                if ok:
+                    return "fresh"
+                if now - last_note >= 2.0:
+                    last_note = now
+                    log.info("%s: waiting to start with %d member(s): %s", self.id, len(others) + 1, why)
+            if not others and seeds and now - last_note >= 2.0:
+                last_note = now  # a lone node says what it waits for, not only when join_timeout ends
+                log.info("%s: no peer has answered yet (%s); training alone in %.0f s (join_timeout) if "
+                         "none does", self.id, ", ".join(seeds), max(0.0, cfg.timing.join_timeout - (now - start)))
+            if not others and not seeds and now - start >= cfg.timing.settle:
+                return "fresh"  # nobody to wait for: the first node of a cluster
+            if not others and now - start >= cfg.timing.join_timeout:
+                if self.control.conflicts:
+                    raise PeerError("; ".join(sorted(set(self.control.conflicts.values()))))
+                log.warning("%s: no peer answered within %.0f s; training alone (late peers will join)",
+                            self.id, cfg.timing.join_timeout)
+                return "fresh"
+            if not others and self.control.conflicts and not warned:
+                warned = True
+                log.error("%s: %s", self.id, "; ".join(sorted(set(self.control.conflicts.values()))))
+        return None
+
+    def begin(self, mode: str) -> Program:
+        """Build the node and start training: ``fresh`` (a new cluster of the members
+        known now), ``member`` (one of a running cluster's starters), ``join`` (a
+        running cluster schedules us), or ``alone`` (a cluster of this node only)."""
+        cfg = self.cfg
+        with self.lock:
+            if mode in ("fresh", "alone"):
+                self.membership.start(self.membership.ids() if mode == "fresh" else [self.id])
+        start_round = 0
+        if mode == "join":
+            start_round = yield from self.joining.await_round()
+        with self.lock:
+            members = self.membership.at_round(start_round)
+            if self.id not in members:
+                members = sorted([*members, self.id], key=self.membership.order_key)
+        rank, world = (cfg.rank, cfg.world_size) if cfg.world_size is not None else (members.index(self.id),
+                                                                                     len(members))
+        topology = self.topology_for(members)
+        rule, policies = build_rules(cfg.mixing, topology)  # checked on this graph, on every link class
+        node_cfg = NodeConfig(cfg.steps, cfg.mixing.period, float(cfg.timeout), check_payloads=True,
+                              overlap=cfg.mixing.overlap, live_sends=self.live_sends)
+        self.rank, self.world_size = rank, world
+        self.late = 0  # timeouts of an earlier life say nothing about this one's neighbours
+        self.ahead = []  # held for the node of an earlier life
+        self.node = Node(self.id, members, topology, self.task, rule, node_cfg, seed=cfg.seed,
+                         split=cfg.split, rank=rank, world_size=world, device=self.device, model=self.user_model,
+                         optimizer=self.user_optimizer, policies=policies)
+        if self.on_node is not None:
+            self.on_node(self.node)
+        if mode == "join":
+            self.joining.joined = True
+            yield from self.joining.pull_state(start_round)
+        if cfg.resume and not self.rejoins:  # a new life takes the cluster's state, not its own past
+            self.joining.resume()
+        if cfg.resume and mode in ("fresh", "member"):
+            self.joining.align_start(mode)
+        self.status = "training"
+        now = yield POLL0
+        with self.lock:
+            self.membership.begin_training(now)
+            self.membership.target.clear()
+        if mode == "fresh":
+            # tell everyone whom we started with: a member that has not noticed the
+            # settle yet then starts as one of us instead of asking to join
+            self.control.apply(self.control.announce_members())
+        early, self.early = self.early, []
+        for msg, inc in early:
+            # a member that started a new life since (after a partition, say) numbers its
+            # messages afresh: one from its old life would make the new life's look replayed
+            if inc == self.incarnation_of(msg.sender):
+                self.handle(msg)
+        log.info("%s: training as %d of %d (%s start, round %d, step %d)", self.id, rank, world, mode,
+                 self.node.round, self.node.step)
+
+    def start_over(self) -> Program:
+        """Begin a new life before training: a new incarnation, no schedule, no node."""
+        now = yield POLL0
+        with self.lock:
+            self.incarnation = self.new_incarnation(self.incarnation)
+            self.control.new_life(self.incarnation)
+            self.membership.new_life(self.incarnation, now=now)
+            self.status = "waiting"
+            self.node = None
+            self.joining.replies.clear()
+            self.joining.joined = False
+
+    def rejoin(self) -> Program:
+        """Start a new life and join the running cluster again (or the stronger
+        cluster met after a partition), as a restarted process would: a new
+        incarnation, a join round the members announce, and a neighbour's state
+        (this node's own drifted while it was out). If no member of that cluster
+        schedules the join within ``join_timeout``, it trains on alone instead."""
+        now = yield POLL0
+        self.excluded = None
+        self.rejoins += 1
+        self.merges += self.merging
+        with self.lock:
+            self.incarnation = self.new_incarnation(self.incarnation)
+            self.control.new_life(self.incarnation)
+            self.membership.new_life(self.incarnation, target=self.rejoin_cluster, now=now)
+            self.status = "waiting"
+            prior, self.node = self.node, None
+            self.joining.replies.clear()
+        try:
+            yield from self.begin("join")
+        except PeerError as e:
+            if prior is None or self.stop.is_set():
+                raise
+            # cut off from the cluster it joins (a partition that formed again, say): train on
+            # from where this node was, as a cluster of its own; when the two meet again, the
+            # larger goes on (see ControlPlane) and this node joins it then
+            log.warning("%s: %s; training alone from step %d until it meets a cluster again", self.id, e,
+                        prior.step)
+            state = prior.state_dict()
+            yield from self.begin("alone")
+            node = self.node
+            assert node is not None
+            node.adopt(state["flat"].to(self.device))
+            node.jump_to(state["step"])
+            if node.optimizer is not None and state["optimizer"] is not None:
+                node.optimizer.load_state_dict(state["optimizer"])
+
+    # -- training ---------------------------------------------------------------------------
+    def topology_for(self, members: list[str]) -> Any:
+        key = tuple(members)
+        topo = self.topologies.get(key)
+        if topo is None:
+            with self.lock:
+                table = self.membership.members
+                # a member already gone from the table keeps the label last known for it; only
+                # the table's labels are remembered (a guess recorded here would outlive it:
+                # the link emulator reads these labels for members no longer in the table)
+                dcs = [table[m].dc if m in table else self.membership.labels.get(m) or self.dcs.get(m, self.cfg.dc)
+                       for m in members]
+                self.dcs.update({m: table[m].dc for m in members if m in table and table[m].dc})
+            # every member derives the same graph from the same ordered list (and labels)
+            topo = topology_for(self.cfg.topology, len(members), seed=self.cfg.seed,
+                                dcs=dcs if any(dcs) else None)
+            self.topologies = {key: topo}  # only the current one is needed
+        return topo
+
+    def apply_members(self) -> None:
+        """Adopt the member list of the node's round (changes take effect between rounds)."""
+        node = self.node
+        assert node is not None
+        with self.lock:
+            members = self.membership.at_round(node.round)
+        if self.id not in members:
+            members = sorted([*members, self.id], key=self.membership.order_key)
+        if members != node.members:
+            log.info("%s: round %d: %d members", self.id, node.round, len(members))
+            node.set_members(members, self.topology_for(members))
+        if self.ahead:  # messages held for a member list that has their sender now, or not yet
+            held, self.ahead = self.ahead, []
+            for msg in held:
+                if msg.sender in node.index_of or msg.round < node.round:
+                    if not node.deliver(msg):  # (from a non-member whose round passed: rejected as such)
+                        self.node_rejected_from(msg)
+                else:
+                    self.ahead.append(msg)
+
+    def train(self) -> Program:
+        """Run the task's training program to the end, until stopped, or until this
+        node must start a new life."""
+        node = self.node
+        assert node is not None and node.stream is not None, "train() needs a task; use step() for your own loop"
+        first_step = node.step
+        t_start = self.last_step_at = yield POLL0
+        yield from self.drive(node.program(), self._after_step)
+        t_end = yield POLL0
+        self.train_seconds += t_end - t_start
+        self.trained_steps += node.step - first_step
+        if self.cfg.checkpoint_dir and self.excluded is None:  # not the state of a life the cluster dropped
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        node = self.node
+        assert node is not None
+        save_checkpoint(node.state_dict(), self.cfg.checkpoint_dir, node.step)
+        save_members(self.cfg.checkpoint_dir, [m for m in node.members if m != self.id])
+
+    def _after_step(self, now: float) -> bool:
+        node = self.node
+        assert node is not None
+        if self.last_step_at is not None:
+            self.max_step_gap = max(self.max_step_gap, now - self.last_step_at)  # the longest stall
+        self.last_step_at = now
+        if self.cfg.checkpoint_dir and self.cfg.checkpoint_every and node.step % self.cfg.checkpoint_every == 0:
+            self.save_checkpoint()
+        if self.stop.is_set():
+            log.warning("%s: stopping at step %d on request", self.id, node.step)
+            return False
+        return self.excluded is None
+
+    def exchange(self, ch: Any) -> Program:
+        """One round on channel ``ch`` of a training loop of the caller's own."""
+        yield from self.drive(self.node.exchange(ch))  # type: ignore[union-attr]
+
+    def drive(self, program: Any, after_step: Callable[[float], bool] | None = None) -> Program:
+        """Advance a node program: its ``Wait`` becomes polls (see :meth:`wait`); after
+        each ``Compute``, ``after_step(now)`` says whether to go on."""
+        node = self.node
+        assert node is not None
+        try:
+            action = next(program)
+        except StopIteration:
+            return
+        while True:
+            kind = type(action)
+            if kind is Wait:
+                now = yield from self.wait(action.timeout)
+            else:
+                now = yield action
+                if kind is Compute:
+                    if after_step is not None and not after_step(now):
+                        return
+                    if any(node.step % ch.period == 0 for ch in node.channels):
+                        self.apply_members()  # membership changes take effect between rounds
+            del action  # nothing here may keep a sent message alive (see NodeConfig.live_sends)
+            try:
+                action = program.send(now - self.origin)
+            except StopIteration:
+                return
+
+    def wait(self, timeout: float) -> Program:
+        """Poll for the round's messages until ready, timeout, or every neighbour still
+        awaited was declared dead. Returns the time it ends."""
+        node = self.node
+        assert node is not None
+        now = yield POLL0
+        deadline = now + timeout
+        while not node.ready():
+            remaining = deadline - now
+            if remaining <= 0:
+                self.timed_out_rounds += 1
+                self.late += 1
+                awaited = node.awaited()
+                log.info("%s: round %d timed out waiting for neighbours (%s)", self.id, node.round,
+                         ", ".join(map(str, awaited)))
+                if self.late >= LATE_ROUNDS:
+                    self.out_of_step(awaited)
+                return now
+            if self.stop.is_set() or self.excluded is not None:
+                return now
+            with self.lock:
+                alive = self.membership.members
+                if all(e not in alive for e in node.awaited()):
+                    return now  # mix without the dead; a live neighbour's message is worth its wait
+            now = yield Poll(min(remaining, POLL))
+        self.late = 0
+        return now
+
+    def out_of_step(self, awaited: list[str]) -> None:
+        """Rounds keep timing out while the neighbours waited for are alive: say so, and
+        act on what their pings report. A neighbour far behind this node's round trains
+        in a world of its own (it counts rounds that this cluster finished long ago):
+        drop it, as a death, so that it learns it and joins again as a new life. When
+        this node is the one far behind, it starts a new life itself."""
+        node = self.node
+        assert node is not None
+        margin = self.cfg.timing.join_margin + self.cfg.timing.leave_margin
+        with self.lock:
+            alive = {j: (m.status, m.round) for j in awaited if (m := self.membership.members.get(j)) is not None}
+            cluster = self.membership.eventual()
+        if self.late == LATE_ROUNDS or self.late & (self.late - 1) == 0:  # 3, 4, 8, 16 ...: not every round
+            log.warning("%s: %d synchronous rounds in a row timed out waiting for %s (alive: %s); this node is at "
+                        "round %d", self.id, self.late, ", ".join(awaited) or "nobody",
+                        ", ".join(f"{j} {st} at round {r}" for j, (st, r) in sorted(alive.items())) or "none",
+                        node.round)
+        behind, ahead = out_of_step(node.round, alive, margin)
+        for j in behind:
+            self.control.apply(self.control.drop(j, f"out of step: it trains in round {alive[j][1]}, this "
+                                                    f"cluster in round {node.round}"))
+        if ahead is not None and self.excluded is None:
+            log.warning("%s: %s trains in round %d, far ahead of this node's round %d: this node is out of step "
+                        "with its cluster; joining again as a new life", self.id, ahead, alive[ahead][1], node.round)
+            self.excluded, self.rejoin_via, self.merging = alive[ahead][1], ahead, False
+            self.rejoin_cluster = set(cluster) - {self.id}
+            return
+        self.control.apply(self.control.hello_all(sorted(alive)))  # their member lists, in case ours and theirs differ
+
+    def finish(self) -> Program:
+        """Keep serving until every other member is done (or gone), or ``grace`` passes."""
+        self.status = "done"
+        if self.interrupted:
+            return
+        self.control.apply(self.control.announce_status())
+        now = yield POLL0
+        end = now + self.cfg.timing.grace
+        while now < end and not self.stop.is_set():
+            with self.lock:
+                busy = [m for k, m in self.membership.members.items() if k != self.id and m.status != "done"]
+            if not busy:
+                return
+            now = yield Poll(min(POLL, end - now))
+
+    # -- messages for the training side -----------------------------------------------------
+    def handle(self, msg: Message) -> None:
+        """A state message, state request or reply, or collective, from a member."""
+        node = self.node
+        if msg.kind == "state":
+            if node is None:
+                # neighbours that started a moment earlier already sent round 0: keep it
+                if len(self.early) < 1024:
+                    self.early.append((msg, self.incarnation_of(msg.sender)))
+                return
+            if self.status == "done" and not self.serving:
+                return  # finished: nothing to mix into
+            self.note_incarnation(msg.sender)
+            if msg.sender not in node.index_of and node.round <= msg.round <= node.round + 1 \
+                    and len(self.ahead) < AHEAD:  # (a round further ahead is no joiner's first)
+                with self.lock:
+                    alive = msg.sender in self.membership.members
+                if alive:
+                    self.ahead.append(msg)
+                    return
+            if not node.deliver(msg):
+                self.node_rejected_from(msg)
+        elif msg.kind == "state-request":
+            if node is None or self.status == "waiting":
+                return
+            snap, extra = node.handover()  # the parameters, and any outer optimizer's momentum
+            if self.audit:
+                self.handed.append((str(msg.sender), sha256_of(node.state.flat)))
+            weight = node.rule.weight
+            reply = Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
+                            weight, {"inc": self.incarnation, **extra}, self.fingerprint)
+            self.send_message(msg.sender, reply)
+        elif msg.kind == "average":  # a collective of a training loop of the user's own (GossipNode)
+            if self.on_average is not None:
+                self.on_average(msg)
+        elif msg.kind == "state-reply":
+            # wanted only while a joiner pulls a state, and a few at most: each holds a whole model
+            if not self.joining.offer(msg):
+                self.control.reject(str(msg.sender), "unsolicited", "a state-reply nobody asked for")
+
+    def incarnation_of(self, sender: str) -> int | None:
+        with self.lock:
+            member = self.membership.members.get(sender)
+        return member.incarnation if member is not None else None
+
+    def note_incarnation(self, sender: str) -> None:
+        """A member that restarted (new incarnation) numbers its messages afresh."""
+        inc = self.incarnation_of(sender)
+        if self.incarnations.get(sender, inc) != inc and self.node is not None:
+            self.node.forget_sender(sender)
+        self.incarnations[sender] = inc
+
+    def node_rejected_from(self, msg: Message) -> None:
+        node = self.node
+        assert node is not None
+        for reason, n in node.rejected.items():
+            if n > self.node_rejected[reason]:
+                self.node_rejected[reason] = n
+                self.control.reject(str(msg.sender), reason, count=False)  # counted by the node already

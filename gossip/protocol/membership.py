@@ -1,0 +1,541 @@
+"""Who is in the cluster, without a master.
+
+Every node keeps a member table. It learns members from ``hello`` and
+``members`` messages, treats any message as a heartbeat, and declares a member
+dead when it has been silent for ``dead_after`` seconds. The topology is built
+from the sorted list of member ids, so nodes that know the same members build
+the same graph; changes are adopted at round boundaries through *epochs*: a
+join is scheduled for a round far enough ahead that every member hears about
+it first, so synchronous rounds stay aligned. Deaths are adopted at once by
+whoever detects them (a neighbour that vanished cannot be waited for anyway).
+
+This module holds only the bookkeeping; the peer runtime moves the messages.
+Times come from the caller (``now``), never from a clock read here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from gossip.protocol.timing import Timing
+
+__all__ = ["Member", "Membership", "cluster_after", "stronger", "out_of_step", "topology_for"]
+
+log = logging.getLogger("gossip.membership")
+
+def cluster_after(base: Iterable[str], joins: Iterable[str], leaves: Iterable[str]) -> set[str]:
+    """Who trains once every announced join and leave has taken effect: the
+    starters and joiners, less those announced to leave.
+
+    >>> sorted(cluster_after(["a", "b", "c"], ["d"], ["b"]))
+    ['a', 'c', 'd']
+    """
+    return (set(base) | set(joins)) - set(leaves)
+
+
+def stronger(a: set[str], b: set[str]) -> bool:
+    """Whether cluster ``a`` goes on and ``b`` joins it when two clusters meet
+    (the halves of a partition that healed, or clusters started apart): the
+    larger one, and between equal sizes the one that holds the smallest id the
+    two do not share. Exactly one of ``stronger(a, b)`` and ``stronger(b, a)``
+    holds for different clusters, so both sides reach the same verdict.
+
+    >>> stronger({"a", "b"}, {"c"}), stronger({"c"}, {"a", "b"})
+    (True, False)
+    >>> stronger({"b"}, {"c"}), stronger({"c"}, {"b"})
+    (True, False)
+    """
+    if len(a) != len(b):
+        return len(a) > len(b)
+    differ = a ^ b
+    return bool(differ) and min(differ) in a
+
+
+def out_of_step(my_round: int, awaited: dict[str, tuple[str, int]], margin: int) -> tuple[list[str], str | None]:
+    """Which live neighbours a node that keeps timing out waits for in vain because
+    their rounds are far from its own: ``awaited`` maps each to (status, round) as
+    its pings report them. Returns the training ones more than ``margin`` rounds
+    behind (they train in a world of their own: drop them) and the first one more
+    than ``margin`` ahead (then this node is the one out of step), if any.
+
+    >>> out_of_step(5000, {"a": ("training", 1200), "b": ("training", 4999), "c": ("waiting", 0)}, 25)
+    (['a'], None)
+    >>> out_of_step(1200, {"a": ("training", 1201), "b": ("training", 5000)}, 25)
+    ([], 'b')
+    """
+    behind = [j for j, (st, r) in sorted(awaited.items()) if st == "training" and r < my_round - margin]
+    ahead = [j for j, (st, r) in sorted(awaited.items()) if st == "training" and r > my_round + margin]
+    return behind, (ahead[0] if ahead else None)
+
+
+@dataclass
+class Member:
+    """What a node knows about one member."""
+
+    id: str
+    incarnation: int          # changes when a node restarts: tells a new life from a stale report
+    last_seen: float          # when we last heard from it directly (any message)
+    status: str = "unknown"   # waiting | training | done
+    round: int = 0
+    step: int = 0
+    dc: str = ""
+    fingerprint: str = ""
+    status_at: float = -math.inf  # when it last told us its status itself (a control message)
+
+
+@dataclass
+class Membership:
+    """The member table of node ``self_id``.
+
+    Parameters
+    ----------
+    timing : the protocol's timings (``dead_after``: silence after which a member is
+        declared dead; ``join_margin`` / ``leave_margin``: rounds between announcing a
+        join or leave and adopting it)
+    """
+
+    self_id: str
+    incarnation: int
+    fingerprint: str
+    dc: str = ""
+    timing: Timing = field(default_factory=Timing)
+    members: dict[str, Member] = field(default_factory=dict)
+    dead: dict[str, int] = field(default_factory=dict)  # id -> incarnation declared dead
+    departed: dict[str, int] = field(default_factory=dict)  # id -> incarnation that said goodbye
+    departed_at: dict[str, float] = field(default_factory=dict)  # id -> when it said goodbye
+    version: int = 0
+    # who trains in which round: the members the cluster started with, plus
+    # announced joins (id -> first round it takes part in)
+    base: set[str] = field(default_factory=set)
+    # whether this node knows the schedule of a cluster that started (base alone cannot
+    # tell: once every starter has restarted, no starter is left in it)
+    started: bool = False
+    joins: dict[str, int] = field(default_factory=dict)
+    leaves: dict[str, int] = field(default_factory=dict)  # id -> first round it no longer takes part in
+    # the life (incarnation) that id's entries above are about. A join or leave of an
+    # older life than the one recorded is stale; of a newer life, it replaces the record.
+    # So the order in which announcements arrive does not matter (see announce_join)
+    lives: dict[str, int] = field(default_factory=dict)
+    # leaves announced for a life whose join has not arrived yet: id -> (incarnation, round)
+    early_leaves: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # members that appeared or came back (a new life, or re-admitted) since the last
+    # take_renewed(): a connection kept towards an earlier life must be opened afresh
+    renewed: set[str] = field(default_factory=set)
+    # whether this node trains (the peer sets it when it starts; a new life clears it).
+    # Only a training node's death verdicts become leave rounds, see remove().
+    training: bool = False
+    # the members of the cluster this node joins as a new life (see new_life): until it
+    # trains there, only their lists are taken
+    target: set[str] = field(default_factory=set)
+    # when this node's current life began (see new_life): evidence from before it
+    # describes a cluster this life may not be joining
+    life_began: float = -math.inf
+    # this life was a starter of the cluster whose schedule it learned, and left it before
+    # it trained (dropped while silent, e.g. behind a slow link): a life that left never
+    # joins again, so it must begin a new one to join (see ControlPlane._learn_start)
+    spent: bool = False
+    # when each member removed for its silence was last heard; and the suspects of
+    # begin_training (id -> when it began)
+    silent_since: dict[str, float] = field(default_factory=dict)
+    suspects: dict[str, float] = field(default_factory=dict)
+    # the datacenter label of members no longer in the table: a member found dead stays
+    # in the schedule until its leave round, and every member must order it (and build
+    # a hierarchical graph) as those that have not found it dead yet do
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.members[self.self_id] = Member(self.self_id, self.incarnation, 0.0, "waiting", dc=self.dc,
+                                            fingerprint=self.fingerprint)
+
+    # -- views ------------------------------------------------------------------------------
+    def ids(self) -> list[str]:
+        """Sorted ids of the members believed alive (self included)."""
+        return sorted(self.members)
+
+    def others(self) -> list[str]:
+        return [m for m in sorted(self.members) if m != self.self_id]
+
+    def digest(self) -> str:
+        """A string equal on nodes that agree on the member set and on who trains in
+        which round (the schedule: starters, joins and leaves, with their lives)."""
+        return ",".join(self.ids()) + "|" + self.schedule_digest()
+
+    def schedule_digest(self) -> str:
+        """A short hash of the schedule ("" before the cluster starts)."""
+        if not self.started:
+            return ""
+        text = repr((sorted(self.base), sorted(self.joins.items()), sorted(self.leaves.items()),
+                     sorted(self.lives.items())))
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+    def order_key(self, mid: str) -> tuple[str, str]:
+        """Members are ordered by (datacenter, id): the same order on every node,
+        with each datacenter's members contiguous (hierarchical topologies)."""
+        return (self.label(mid), mid)
+
+    def label(self, mid: str) -> str:
+        """``mid``'s datacenter label: the table's, else the last one known ("" if never)."""
+        m = self.members.get(mid)
+        return m.dc if m is not None and m.dc else self.labels.get(mid, "")
+
+    def any_training(self) -> bool:
+        return any(m.status in ("training", "done") for k, m in self.members.items() if k != self.self_id)
+
+    def eventual(self) -> set[str]:
+        """This node's cluster once every announced join and leave has taken effect."""
+        return cluster_after(self.base, self.joins, self.leaves)
+
+    def max_round(self) -> int:
+        """The furthest round a member of this node's cluster reports (a member of
+        another cluster, met after a partition, counts rounds of its own)."""
+        ours = self.eventual() | {self.self_id}
+        return max((m.round for k, m in self.members.items() if k in ours), default=0)
+
+    # -- updates ----------------------------------------------------------------------------
+    def heard(self, sender: str, incarnation: int | None, now: float, *, status: str | None = None,
+              round: int | None = None, step: int | None = None, dc: str | None = None,
+              fingerprint: str | None = None) -> bool:
+        """Direct contact from ``sender``; returns True if the member set changed."""
+        changed = False
+        m = self.members.get(sender)
+        inc = incarnation if incarnation is not None else (m.incarnation if m else 0)
+        if m is None and self.departed.get(sender, -1) >= inc:
+            return False  # that life said goodbye; its last messages may still be in flight
+        if m is None or inc > m.incarnation:
+            if m is None:
+                if self.dead.get(sender, -1) >= inc:
+                    # declared dead, yet it speaks: it was only silent (a pause, a slow link).
+                    # Direct contact beats our guess; second-hand reports (merge) do not.
+                    log.warning("member %s is alive after all; re-admitting it", sender)
+                else:
+                    log.info("member %s joined (incarnation %d)", sender, inc)
+                changed = True
+            else:
+                log.info("member %s restarted (incarnation %d -> %d)", sender, m.incarnation, inc)
+                changed = True
+            m = self.members[sender] = Member(sender, inc, now)
+            self.renewed.add(sender)
+            self.dead.pop(sender, None)
+        elif inc < m.incarnation:
+            return False  # stale: from an older life of that node
+        m.last_seen = now
+        if status is not None:
+            m.status = status
+            m.status_at = now
+        if round is not None:
+            m.round = round
+        if step is not None:
+            m.step = step
+        if dc is not None:
+            m.dc = dc
+        if fingerprint is not None:
+            m.fingerprint = fingerprint
+        if changed:
+            self.version += 1
+        return changed
+
+    def merge(self, reported: Iterable[tuple[str, int]], now: float) -> bool:
+        """Add members another node reports (``(id, incarnation)`` pairs).
+
+        A reported member counts as heard ``now`` (its reporter heard it
+        recently); if it is really gone, our own detector removes it again.
+        """
+        changed = False
+        for mid, inc in reported:
+            if mid == self.self_id:
+                continue
+            m = self.members.get(mid)
+            if m is not None and inc <= m.incarnation:
+                continue
+            if self.dead.get(mid, -1) >= inc or self.departed.get(mid, -1) >= inc:
+                continue
+            self.members[mid] = Member(mid, inc, now)
+            self.renewed.add(mid)
+            self.dead.pop(mid, None)
+            log.info("member %s learned from a member list", mid)
+            changed = True
+        if changed:
+            self.version += 1
+        return changed
+
+    def remove(self, mid: str, reason: str, *, departed: bool = False, now: float | None = None) -> bool:
+        """Drop ``mid``; returns True if it was a member.
+
+        ``departed`` (it said goodbye) is final for that incarnation. Otherwise
+        (silence) it is our guess: direct contact from it re-admits it, while
+        second-hand member lists cannot.
+        """
+        m = self.members.pop(mid, None)
+        if m is None or mid == self.self_id:
+            if m is not None:
+                self.members[mid] = m
+            return False
+        (self.departed if departed else self.dead)[mid] = m.incarnation
+        if not departed and (len(self.silent_since) < 4096 or mid in self.silent_since):
+            self.silent_since[mid] = m.last_seen
+        if m.dc and (len(self.labels) < 4096 or mid in self.labels):
+            self.labels[mid] = m.dc
+        if departed:
+            self.departed_at[mid] = m.last_seen if now is None else now
+        # it leaves the topology at a round everyone adopts (announced to all), so
+        # synchronous rounds stay aligned; until then its weight goes to self. A node
+        # that does not train (it waits for its join round or for a neighbour's state)
+        # announces nothing: its silence is often its own, and the member it would
+        # drop ignores the word of a node that is not training, so the two views
+        # would never meet again. It learns the running members' leaves from them.
+        if self.training:  # (after a join still pending: see announce_leave)
+            self._leave_of_dead(mid, m.incarnation)
+        self.version += 1
+        log.warning("member %s removed: %s", mid, reason)
+        return True
+
+    def _leave_of_dead(self, mid: str, incarnation: int | None) -> bool:
+        """Announce this node's own death verdict on ``mid``: it leaves a margin ahead."""
+        return self.announce_leave(mid, max(self.max_round() + self.timing.leave_margin, self.joins.get(mid, -1) + 1),
+                                   incarnation, early=False)
+
+    def orphaned(self) -> bool:
+        """Whether this node knows a schedule in which no other member counts in the life
+        it has now: they all restarted or died before this node trained with them, and
+        nobody will ever schedule a round of that cluster again."""
+        return self.started and not any(self.counts(m, self.members[m].incarnation) for m in self.others())
+
+    def begin_training(self, now: float) -> None:
+        """This node trains from now on, and its death verdicts count (see :meth:`remove`).
+        Members the schedule still counts that it heard in this life and then removed
+        while it waited are suspects: if none speaks to it within ``dead_after`` (see
+        :meth:`confirm_dead`), their leaves are announced then. The trainers that would
+        have announced them may have died too, and then nobody ever would, and the
+        dead would stay in the topology to the end. (The wait: a member removed while
+        this node was cut off from it, say, speaks again once this node trains with it.)"""
+        self.training = True
+        self.suspects = {mid: now for mid in self.eventual() if mid not in self.members and mid in self.dead
+                         and self.silent_since.get(mid, -math.inf) >= self.life_began
+                         and self.counts(mid, self.dead[mid])}
+
+    def confirm_dead(self, now: float) -> list[str]:
+        """Announce the leaves of the suspects of :meth:`begin_training` still silent
+        ``dead_after`` seconds after it; returns them."""
+        out = []
+        for mid, since in list(self.suspects.items()):
+            if mid in self.members or mid not in self.dead:
+                del self.suspects[mid]  # it spoke again (or left by itself)
+            elif now - since >= self.timing.dead_after:
+                del self.suspects[mid]
+                if self.counts(mid, self.dead[mid]) and self._leave_of_dead(mid, self.dead[mid]):
+                    out.append(mid)
+        return out
+
+    def new_life(self, incarnation: int, target: Iterable[str] = (), now: float = -math.inf) -> None:
+        """This node starts a new life under ``incarnation``, as a restarted process
+        would: it still knows who is alive, but no longer who trains in which
+        round. It joins the cluster ``target`` (the members of the cluster that
+        dropped it, or of a stronger one it met) at a round they announce, and
+        takes those lists from them only (from anyone if ``target`` is empty):
+        its own may describe a cluster it is no longer part of (a partition's
+        other half, the leaves it announced there). ``now`` is when the life
+        begins: what members said before it is no evidence about that cluster
+        (see :meth:`finished`)."""
+        self.incarnation = incarnation
+        self.life_began = now
+        me = self.members[self.self_id]
+        me.incarnation, me.status = incarnation, "waiting"
+        self.training = False
+        self.base, self.joins, self.leaves = set(), {}, {}
+        self.lives, self.early_leaves = {}, {}
+        self.started = False
+        self.spent = False
+        self.suspects = {}
+        self.target = set(target) - {self.self_id}
+        self.version += 1
+
+    def finished(self, ids: Iterable[str]) -> bool:
+        """Whether every member in ``ids`` has finished training, judged only from
+        what this life heard (since :attr:`life_began`): the member's own word
+        "done", or its goodbye. An empty set, a member that is unknown, silent or
+        dead, and anything said before this life began are no evidence: a cluster
+        that will never schedule a join must prove it, or the join is waited for.
+
+        >>> m = Membership("a", 1, "f")
+        >>> _ = m.heard("b", 1, 5.0, status="done")
+        >>> m.new_life(2, target=["b"], now=6.0)
+        >>> m.finished(["b"])  # said before this life began
+        False
+        >>> _ = m.heard("b", 1, 7.0, status="done")
+        >>> m.finished(["b"]), m.finished([])
+        (True, False)
+        """
+        ids = [i for i in ids if i != self.self_id]
+        if not ids:
+            return False
+        for mid in ids:
+            m = self.members.get(mid)
+            if m is not None:
+                if m.status != "done" or m.status_at < self.life_began:
+                    return False
+            elif mid not in self.departed_at or self.departed_at[mid] < self.life_began:
+                return False
+        return True
+
+    def take_renewed(self) -> list[str]:
+        """The ids that (re)appeared since the last call."""
+        out, self.renewed = sorted(self.renewed), set()
+        return out
+
+    def expire(self, now: float) -> list[str]:
+        """Declare members silent for ``dead_after`` seconds dead; returns their ids."""
+        gone = [mid for mid, m in self.members.items()
+                if mid != self.self_id and now - m.last_seen > self.timing.dead_after]
+        for mid in gone:
+            self.remove(mid, f"silent for more than {self.timing.dead_after:g} s")
+        return gone
+
+    def report(self) -> list[list]:
+        """The member list as it travels: ``[[id, incarnation], ...]``."""
+        return [[mid, m.incarnation] for mid, m in sorted(self.members.items())]
+
+    # -- who trains in which round -------------------------------------------------------
+    def life_of(self, mid: str) -> int | None:
+        """The incarnation of ``mid`` this node knows (its member table), if any."""
+        m = self.members.get(mid)
+        return m.incarnation if m is not None else None
+
+    def start(self, ids: Iterable[str], incarnations: Iterable[int | None] | None = None) -> None:
+        """The cluster starts training with members ``ids`` from round 0 (each in the
+        life ``incarnations`` names; default: the one in the member table)."""
+        ids = list(ids)
+        incs = list(incarnations) if incarnations is not None else [self.life_of(i) for i in ids]
+        self.base = set(ids)
+        self.started = True
+        for mid, inc in zip(ids, incs):
+            if inc is not None:
+                self.lives[mid] = inc
+        self.version += 1
+
+    def counts(self, mid: str, incarnation: int | None = None) -> bool:
+        """Whether ``mid`` (in life ``incarnation``, when given) is a starter or an
+        announced joiner without an announced leave."""
+        if incarnation is not None and mid in self.lives and self.lives[mid] != incarnation:
+            return False
+        return (mid in self.base or mid in self.joins) and mid not in self.leaves
+
+    def _life(self, mid: str, inc: int | None) -> str:
+        """How a join or leave of life ``inc`` relates to ``mid``'s record: "same"
+        (or unknown: legacy lists without lives), "stale" or "newer"."""
+        if mid == self.self_id:
+            return "same" if inc is None or inc == self.incarnation else "stale"
+        known = self.lives.get(mid)
+        if inc is None or known is None or inc == known:
+            return "same"
+        return "stale" if inc < known else "newer"
+
+    def announce_join(self, mid: str, round: int, incarnation: int | None = None) -> bool:
+        """``mid`` takes part from ``round`` on; the earliest announcement wins
+        (every node keeps the same one once all have heard both).
+
+        ``incarnation`` names the life that joins (default: the one in the member
+        table). A join of a newer life than the one recorded replaces the record
+        (the restarted node's old life trains no more); of an older life, it is
+        stale and changes nothing. So a node that hears the old life's leave only
+        after the new life's join keeps the join, as one that heard them in order.
+        """
+        inc = incarnation if incarnation is not None else (self.lives.get(mid) or self.life_of(mid))
+        relation = self._life(mid, inc)
+        if relation == "stale":
+            return False
+        left = self.leaves.get(mid)
+        if relation == "newer" or (left is not None and left <= round and (incarnation is None
+                                                                           or mid not in self.lives)):
+            # a restarted node: a new life, announced afresh
+            self.base.discard(mid)
+            self.joins.pop(mid, None)
+            self.leaves.pop(mid, None)
+        old = self.joins.get(mid)
+        if mid in self.base or (old is not None and old <= round):
+            return False
+        self.joins[mid] = round
+        if inc is not None and mid != self.self_id:
+            self.lives[mid] = inc
+        early = self.early_leaves.get(mid)
+        if early is not None and early[0] == inc:
+            del self.early_leaves[mid]
+            self.announce_leave(mid, early[1], inc)
+        self.version += 1
+        return True
+
+    def announce_leave(self, mid: str, round: int, incarnation: int | None = None, *, early: bool = True) -> bool:
+        """``mid`` no longer takes part from ``round`` on; the earliest announcement wins.
+
+        ``incarnation`` names the life that leaves (default: the one recorded). A
+        leave of an older life is stale; of a newer life whose join has not arrived
+        yet, it waits for that join. Without a life, a leave at or before the round
+        a joiner is scheduled for is its previous life's (a member that saw the
+        restart before it heard of the join): the join stands. A death verdict on a
+        joiner is announced after its join. ``early`` False (this node's own death
+        verdict) keeps no leave for a life this node does not count: that is silence
+        from a node it only read of in a list, not a leave of a life that trained.
+        """
+        if mid == self.self_id:
+            return False
+        relation = self._life(mid, incarnation)
+        if relation == "stale":
+            return False
+        if relation == "newer" or (mid not in self.base and mid not in self.joins):
+            if early and incarnation is not None and (mid not in self.early_leaves or self.early_leaves[mid][0] < incarnation
+                                            or self.early_leaves[mid][1] > round):
+                if len(self.early_leaves) < 4096 or mid in self.early_leaves:
+                    self.early_leaves[mid] = (incarnation, round)
+            return False  # it never trained with us (in that life): nothing to take effect yet
+        old = self.leaves.get(mid)
+        if mid not in self.base:
+            if self.joins[mid] >= round:
+                if incarnation is None:
+                    return False
+                round = self.joins[mid] + 1  # that life's own leave: after its join, as everyone puts it
+        if old is not None and old <= round:
+            return False
+        self.leaves[mid] = round
+        self.version += 1
+        return True
+
+    def at_round(self, rnd: int) -> list[str]:
+        """The ordered members that train in round ``rnd``.
+
+        A member that died or left stays listed until its announced leave round
+        (its messages are simply missing until then); a joiner appears from its
+        announced join round.
+        """
+        def active(m: str) -> bool:
+            start = -1 if m in self.base else self.joins.get(m)
+            return start is not None and start <= rnd < self.leaves.get(m, rnd + 1)
+
+        ids = {m for m in self.base if active(m)} | {m for m in self.joins if active(m)}
+        return sorted(ids, key=self.order_key)
+
+
+def topology_for(spec: Any, n: int, *, seed: int = 0, dcs: list[Any] | None = None) -> Any:
+    """The topology for ``n`` members, as every member computes it.
+
+    ``hierarchical`` takes its datacenter sizes from ``dcs`` (the members' labels,
+    in member order) when given, keeping its intra=/inter= options. A spec that
+    does not fit ``n`` members (``torus:4x4`` after a death) falls back to a
+    ring, with a warning: a cluster that shrinks keeps training.
+    """
+    from topologies import build
+
+    if isinstance(spec, str):
+        name, _, args = spec.partition(":")
+        if name.strip() == "hierarchical" and dcs is not None:
+            sizes = [sum(1 for d in dcs if d == label) for label in dict.fromkeys(dcs)]
+            options = [a for a in args.split(",") if "=" in a]
+            spec = "hierarchical:" + ",".join([*map(str, sizes), *options]) if len(sizes) > 1 else "complete"
+    try:
+        return build(spec, n, seed=seed)
+    except ValueError as e:
+        log.warning("topology %r does not fit %d members (%s); using a ring", spec if isinstance(spec, str)
+                    else "custom graph", n, e)
+        return build("ring", n, seed=seed)

@@ -1,0 +1,495 @@
+"""Real peers in the simulator: the control plane and lifecycle of ``gossip-node``
+over a simulated network, on a virtual clock.
+
+Each simulated process runs the same :class:`~gossip.protocol.lifecycle.Lifecycle`
+(discovery, joins, state pulls, new lives, merges, the finish) and
+:class:`~gossip.protocol.control.ControlPlane` (member lists, heartbeats, the failure
+detector, leave and join rounds) as a real node. They exchange the real encoded
+wire frames, so decoding and validation run too. Faults act only on processes
+and links, the way they do on real machines:
+
+``crash``      the process is gone (no goodbye); its state is lost
+``start``      a process starts (a late joiner, or a restart; ``resume`` reads its checkpoints)
+``stall``      the process does not run for a while (SIGSTOP): it neither sends nor reads;
+               what arrived meanwhile is read when it runs again
+``partition``  groups of processes cannot reach each other; ``heal`` ends it
+``spike``      the messages on one link take longer for a while (a congested or rerouted path)
+``clock``      a process's clock runs fast or slow (``drift``) from its own origin (``offset``):
+               its control plane and lifecycle read only that clock
+
+and, for every message (``duplicate``, ``reorder``): a message arrives twice, or is
+held back behind later ones on its link.
+
+Detection, leave rounds, joins, state transfer and merges come from the protocol.
+A run is deterministic for its seed: the same faults and seed give the same
+messages, the same parameters, the same outcome.
+
+>>> c = SimCluster(3, steps=40)
+>>> c.run(until=60.0)
+>>> [r["steps"] for r in c.results()]
+[40, 40, 40]
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from gossip.core.actions import Compute, Poll, Release, Send
+from gossip.core.message import Message
+from gossip.core.state import FlatState
+from gossip.protocol.config import PeerConfig
+from gossip.protocol.errors import PeerError
+from gossip.protocol.lifecycle import Lifecycle
+from gossip.protocol.timing import Timing
+from gossip.training.node import init_model
+from gossip.training.tasks import get_task
+from gossip.transport import wire
+from gossip.transport.links import LinkModel, SimNetwork
+
+__all__ = ["SimCluster", "SimProcess", "FAST", "node_id"]
+
+log = logging.getLogger("gossip.simcluster")
+
+#: the settings of the real-process fault tests (tests/test_faults_real.py ``FAST``)
+FAST: dict[str, Any] = dict(timing=Timing.fast(), timeout=5.0)
+
+RESUME, FRAMES, TICK, FAULT = range(4)
+
+
+def node_id(i: int) -> str:
+    """The id of simulated process ``i`` (an address, as real ids are)."""
+    return f"10.0.0.{i + 1}:7000"
+
+
+@dataclass
+class SimProcess:
+    """One simulated process: its peer's lifecycle and what the driver tracks."""
+
+    index: int
+    id: str
+    cfg: PeerConfig
+    life: Lifecycle | None = None
+    program: Any = None
+    up: bool = False
+    epoch: int = 0            # a new process (restart) or a crash: events of an older one are void
+    token: int = 0            # the resume the program waits for (a poll woken early voids its timer)
+    primed: bool = False
+    polling: bool = False
+    stalled: bool = False
+    resume_due: bool = False  # a resume fell due while stalled
+    backlog: list = field(default_factory=list)  # frames that arrived while stalled
+    started_at: float = 0.0
+    exit: str | None = None   # "done", "crashed", "error: ..." once the process is gone
+    lives: list[dict[str, Any]] = field(default_factory=list)  # the results of earlier processes
+    mix_violations: list[str] = field(default_factory=list)  # see SimCluster._audit_mixing
+    after_finish: bool = False  # it started when another process had finished, or was a join margin from it
+    drift: float = 0.0        # its clock runs at (1 + drift) times virtual time ...
+    offset: float = 0.0       # ... from this reading at virtual time 0
+
+    def local(self, t: float) -> float:
+        """Its clock's reading at virtual time ``t``."""
+        return t * (1.0 + self.drift) + self.offset
+
+    def span(self, d: float) -> float:
+        """Virtual seconds for ``d`` seconds of its clock to pass."""
+        return d / (1.0 + self.drift)
+
+
+class SimCluster:
+    """``n`` peers, each configured as ``gossip-node`` would be, on one virtual clock.
+
+    Parameters
+    ----------
+    n : processes, ids ``node_id(0..n-1)``
+    steps : local steps each trains
+    seed : the run's seed (link jitter and loss draws; the peers' ``--seed`` is ``model_seed``)
+    link : the model of every link
+    step_time : virtual seconds one local step takes (a number, or ``f(i) -> seconds``)
+    peers : ``peers(i)`` the indices process ``i`` names as ``--peers`` (default: the next one, a ring)
+    late : indices that do not start at time 0 (start them with :meth:`start`)
+    checkpoint_dir : ``checkpoint_dir(i)`` a directory for process ``i``'s checkpoints, or None
+    duplicate : probability that a message arrives twice (the copy up to ``reorder_by`` later)
+    reorder : probability that a message is held back by up to ``reorder_by`` seconds
+        (so later messages on its link overtake it)
+    options : further :class:`~gossip.protocol.config.PeerConfig` fields (default :data:`FAST`, ring, synthetic)
+    configure : ``configure(i)`` further PeerConfig fields of process ``i`` only (its ``rank``,
+        ``world_size``, ``dc``), over ``options``
+    inter_link : the model of links between processes of different ``dc`` labels (default: none;
+        every link is ``link``, of class intra)
+    device : the device every process trains on
+    """
+
+    def __init__(self, n: int, *, steps: int = 200, seed: int = 0, link: LinkModel | None = None,
+                 step_time: float | Callable[[int], float] = 0.01,
+                 peers: Callable[[int], Sequence[int]] | None = None, late: Sequence[int] = (),
+                 checkpoint_dir: Callable[[int], str | None] | None = None, model_seed: int = 0,
+                 duplicate: float = 0.0, reorder: float = 0.0, reorder_by: float = 0.05,
+                 configure: Callable[[int], dict[str, Any]] | None = None, inter_link: LinkModel | None = None,
+                 device: str = "cpu", **options: Any) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+        for name, prob in (("duplicate", duplicate), ("reorder", reorder)):
+            if not 0 <= prob < 1:
+                raise ValueError(f"{name} must be a probability in [0, 1), got {prob!r}")
+        if not reorder_by > 0:
+            raise ValueError(f"reorder_by must be > 0 seconds, got {reorder_by!r}")
+        self.duplicate, self.reorder, self.reorder_by = duplicate, reorder, reorder_by
+        self.rng = random.Random(seed * 2654435761 + 0xD0B1E)  # duplicate and reorder draws only
+        self.spikes: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        self._up = 0       # processes up
+        self._faults = 0   # fault events still queued
+        self.now = 0.0
+        self.events: list[tuple[float, int, int, int, Any]] = []
+        self._seq = 0
+        links = {"intra": link or LinkModel(latency=1e-3, bandwidth=1e9)}
+        if inter_link is None:
+            self.network = SimNetwork(links, lambda u, v: "intra", seed=seed)
+        else:  # links between datacenter labels are inter
+            def link_class(u: str, v: str) -> str:
+                a, b = self.by_id.get(u), self.by_id.get(v)
+                return "intra" if a is None or b is None or a.cfg.dc == b.cfg.dc else "inter"
+
+            self.network = SimNetwork({**links, "inter": inter_link}, link_class, seed=seed)
+        self.device = torch.device(device)
+        self.step_time = step_time if callable(step_time) else (lambda i, t=float(step_time): t)
+        settings = {**FAST, "topology": "ring", "task": "synthetic", **options}
+        peers = peers or (lambda i: [(i + 1) % n] if n > 1 else [])
+        self.task = get_task(settings["task"])
+        probe = FlatState(init_model(self.task, model_seed, "cpu"))
+        self.fingerprint, self.model_bytes = probe.fingerprint, probe.nbytes
+        del probe
+        self.procs: list[SimProcess] = []
+        for i in range(n):
+            ck = checkpoint_dir(i) if checkpoint_dir is not None else None
+            own = {**settings, **configure(i)} if configure is not None else settings
+            cfg = PeerConfig(listen=node_id(i), peers=tuple(node_id(j) for j in peers(i) if j != i), steps=steps,
+                             seed=model_seed, checkpoint_dir=ck, **own)
+            self.procs.append(SimProcess(i, node_id(i), cfg))
+        self.by_id = {p.id: p for p in self.procs}
+        self.frames_sent = 0
+        self.frames_lost = 0
+        self.log: list[tuple[float, str]] = []  # the faults applied, when
+        self.on_step: Callable[[SimProcess], None] | None = None  # after each local step of any process
+        for i in range(n):
+            if i not in late:
+                self.start(i, at=0.0)
+
+    # -- the schedule ------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, index: int, data: Any) -> None:
+        self._seq += 1
+        if kind == FAULT:
+            self._faults += 1
+        heapq.heappush(self.events, (t, self._seq, kind, index, data))
+
+    def at(self, t: float, what: str, action: Callable[[], None]) -> None:
+        """Run ``action`` at virtual time ``t`` (logged as ``what``)."""
+        self._push(t, FAULT, -1, (what, action))
+
+    def start(self, i: int, *, at: float, resume: bool = False) -> None:
+        """Start process ``i`` at ``at``: a late joiner, or a restart of a crashed one
+        (``resume``: with ``--resume``, reading its checkpoint directory)."""
+        self.at(at, f"start {i}" + (" --resume" if resume else ""), lambda: self._start(i, resume))
+
+    def crash(self, i: int, *, at: float) -> None:
+        """Process ``i`` dies at ``at`` (SIGKILL: no goodbye)."""
+        self.at(at, f"crash {i}", lambda: self._crash(i))
+
+    def stall(self, i: int, *, at: float, until: float) -> None:
+        """Process ``i`` does not run from ``at`` to ``until`` (SIGSTOP, then SIGCONT)."""
+        self.at(at, f"stall {i}", lambda: self._stall(i))
+        self.at(until, f"continue {i}", lambda: self._continue(i))
+
+    def stop(self, i: int, *, at: float) -> None:
+        """Process ``i`` is asked to stop at ``at`` (SIGTERM: after its current step, with a goodbye)."""
+        def act() -> None:
+            p = self.procs[i]
+            if p.up and p.life is not None:
+                p.life.interrupted = True
+                p.life.stop.set()
+        self.at(at, f"stop {i}", act)
+
+    def partition(self, groups: Sequence[Sequence[int]], *, at: float, until: float | None = None) -> None:
+        """From ``at`` (to ``until``, if given) the groups cannot reach each other."""
+        ids = [[node_id(i) for i in g] for g in groups]
+        self.at(at, f"partition {[list(g) for g in groups]}", lambda: self.network.partition(ids))
+        if until is not None:
+            self.heal(at=until)
+
+    def heal(self, *, at: float) -> None:
+        self.at(at, "heal", lambda: self.network.partition(None))
+
+    def cut(self, src: Sequence[int], dst: Sequence[int], *, at: float, until: float) -> None:
+        """Messages from any of ``src`` to any of ``dst`` are lost from ``at`` to ``until``;
+        the other way they pass (a real node's ``--emulate inter:down=`` drops what it
+        sends, from its own start: the two sides of such a cut begin and end apart)."""
+        if not until > at:
+            raise ValueError(f"cut needs until > at, got at={at!r}, until={until!r}")
+        pairs = [(node_id(i), node_id(j)) for i in src for j in dst if i != j]
+        what = f"{list(src)} -> {list(dst)}"
+        self.at(at, f"cut {what}", lambda: self.network.cut(pairs))
+        self.at(until, f"uncut {what}", lambda: self.network.cut(pairs, on=False))
+
+    def spike(self, i: int, j: int, *, at: float, until: float, delay: float) -> None:
+        """Messages sent between ``i`` and ``j`` (both ways) from ``at`` to ``until`` take
+        ``delay`` seconds longer (a congested path: later ones may overtake them)."""
+        if not (delay >= 0 and until > at):
+            raise ValueError(f"spike needs delay >= 0 and until > at, got delay={delay!r}, at={at!r}, until={until!r}")
+        for pair in ((node_id(i), node_id(j)), (node_id(j), node_id(i))):
+            self.spikes.setdefault(pair, []).append((at, until, delay))
+
+    def clock(self, i: int, *, drift: float = 0.0, offset: float = 0.0) -> None:
+        """Process ``i``'s clock runs at ``1 + drift`` times virtual time and reads ``offset``
+        at virtual time 0 (set before it starts; a restart runs on the same machine's clock)."""
+        if not (-0.5 < drift < 0.5):
+            raise ValueError(f"drift must be in (-0.5, 0.5), got {drift!r}")
+        if not offset >= 0:
+            raise ValueError(f"offset must be >= 0 seconds, got {offset!r}")
+        self.procs[i].drift, self.procs[i].offset = float(drift), float(offset)
+
+    # -- processes ---------------------------------------------------------------------------
+    def _start(self, i: int, resume: bool) -> None:
+        p = self.procs[i]
+        if p.up:
+            return
+        if p.life is not None:
+            p.lives.append(self._result(p))
+        cfg = p.cfg
+        if resume != cfg.resume:
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, resume=resume)
+        p.epoch += 1
+        self._up += 1
+        p.up, p.stalled, p.polling, p.primed, p.resume_due = True, False, False, False, False
+        p.backlog, p.exit, p.started_at = [], None, self.now
+        others = [q for q in self.procs if q is not p]
+        p.after_finish = any(q.exit == "done" or (q.up and q.life is not None and self._finishing(q)) for q in others)
+        local = p.local
+        first = 10**6 + int(local(self.now) * 1e6) + p.epoch  # later processes have later lives, as on a wall clock
+        p.life = Lifecycle(cfg, task=self.task, device=self.device, fingerprint=self.fingerprint,
+                           incarnation=first, send=lambda dst, msg, p=p: self._send(p, dst, msg, False),
+                           reconnect=lambda peer: None, origin=local(self.now), clock=lambda: local(self.now),
+                           new_incarnation=lambda prev: max(10**6 + int(local(self.now) * 1e6), prev + 1))
+        p.life.audit = True  # record the states handed over and taken (gossip.sim.explore checks them)
+        p.life.on_node = lambda node, p=p: self._audit_mixing(p, node)
+        p.program = p.life.program()
+        self._push(self.now, RESUME, i, (p.epoch, p.token))
+        self._push(self.now, TICK, i, p.epoch)
+
+    @staticmethod
+    def _finishing(q: SimProcess) -> bool:
+        """Whether ``q`` has finished, or trains within a join margin of its last round
+        (a join scheduled now would fall after the end)."""
+        life = q.life
+        assert life is not None
+        if life.status == "done":
+            return True
+        node, cfg = life.node, q.cfg
+        return life.status == "training" and node is not None \
+            and node.round + cfg.timing.join_margin >= cfg.steps // cfg.mixing.period
+
+    def _crash(self, i: int) -> None:
+        p = self.procs[i]
+        if p.up:
+            self._up -= 1
+            p.up, p.exit = False, "crashed"
+            p.epoch += 1
+            p.program = None
+
+    def _stall(self, i: int) -> None:
+        p = self.procs[i]
+        if p.up:
+            p.stalled = True
+
+    def _continue(self, i: int) -> None:
+        p = self.procs[i]
+        if not (p.up and p.stalled):
+            return
+        p.stalled = False
+        assert p.life is not None
+        p.life.control.apply(p.life.control.tick(p.local(self.now)))  # it runs again: first it sees the gap
+        backlog, p.backlog = p.backlog, []
+        for sender, frames in backlog:
+            self._receive(p, sender, frames)
+        self._push(self.now, TICK, i, p.epoch)
+        if p.resume_due:
+            p.resume_due = False
+            self._wake(p)
+
+    def _exit(self, p: SimProcess, how: str) -> None:
+        assert p.life is not None
+        if how == "done":  # Peer.close: a goodbye, so nobody waits for a timeout
+            p.life.control.apply(p.life.control.goodbye("done" if not p.life.interrupted else "stopped"))
+        self._up -= 1
+        p.up, p.exit, p.program = False, how, None
+        p.epoch += 1
+
+    def _audit_mixing(self, p: SimProcess, node: Any) -> None:
+        """Check every message a synchronous round of ``node`` takes to mix: it is of
+        that round, from the member its index names in the node's member list."""
+        for ch in node.channels:
+            if not ch.rule.synchronous:
+                continue
+            take = ch.inbox.take_round
+
+            def audited(src: int, rnd: int, take=take, ch=ch) -> tuple[Message | None, int]:
+                msg, stale = take(src, rnd)
+                if msg is not None:
+                    who = node.members[src] if 0 <= src < len(node.members) else None
+                    if msg.round != rnd or msg.sender != who:
+                        p.mix_violations.append(f"{p.id} round {rnd}: mixed a message of round {msg.round} "
+                                                f"from {msg.sender} as member {src} ({who})")
+                return msg, stale
+
+            ch.inbox.take_round = audited
+
+    # -- the network -------------------------------------------------------------------------
+    def _send(self, p: SimProcess, dst: Any, msg: Message, droppable: bool) -> None:
+        if not p.up or p.stalled:
+            return  # a stalled process sends nothing (its I/O thread does not run either)
+        frames = [bytes(memoryview(f).cast("B")) for f in wire.encode(msg)]  # on the wire: copies
+        self.frames_sent += 1
+        arrival = self.network.transmit(p.id, dst, sum(len(f) for f in frames), self.now, droppable=droppable)
+        target = self.by_id.get(dst) if isinstance(dst, str) else None
+        if arrival is None or target is None:
+            self.frames_lost += 1
+            return
+        spikes = self.spikes.get((p.id, dst)) if self.spikes else None
+        if spikes:
+            arrival += sum(d for t0, t1, d in spikes if t0 <= self.now < t1)
+        if self.reorder and self.rng.random() < self.reorder:
+            arrival += self.rng.uniform(0.0, self.reorder_by)
+        self._push(arrival, FRAMES, target.index, (p.id, frames))
+        if self.duplicate and self.rng.random() < self.duplicate:
+            self._push(arrival + self.rng.uniform(0.0, self.reorder_by), FRAMES, target.index, (p.id, frames))
+
+    def _receive(self, p: SimProcess, sender: str, frames: list[bytes]) -> None:
+        assert p.life is not None
+        p.life.control.on_frames(sender.encode(), frames)
+        if p.polling:
+            self._wake(p)
+
+    def _wake(self, p: SimProcess) -> None:
+        p.token += 1
+        p.polling = False
+        self._push(self.now, RESUME, p.index, (p.epoch, p.token))
+
+    # -- running -----------------------------------------------------------------------------
+    def _advance(self, p: SimProcess) -> None:
+        """Run process ``p``'s program until it needs time to pass."""
+        program = p.program
+        while True:
+            try:
+                action = program.send(p.local(self.now)) if p.primed else next(program)
+                p.primed = True
+            except StopIteration:
+                self._exit(p, "done")
+                return
+            except PeerError as e:
+                log.warning("%s: %s", p.id, e)
+                self._exit(p, f"error: {e}")
+                return
+            kind = type(action)
+            if kind is Poll:
+                if action.timeout <= 0:
+                    continue
+                p.polling = True
+                p.token += 1
+                self._push(self.now + p.span(action.timeout), RESUME, p.index, (p.epoch, p.token))
+                return
+            if kind is Compute:
+                if self.on_step is not None:
+                    self.on_step(p)
+                    if not p.up or p.program is not program:
+                        return
+                p.token += 1
+                self._push(self.now + self.step_time(p.index), RESUME, p.index, (p.epoch, p.token))
+                return
+            if kind is Send:
+                for dst, msg in action.messages:
+                    self._send(p, dst, msg, True)
+            elif kind is not Release:
+                raise TypeError(f"{p.id} yielded {action!r}")
+
+    def run(self, until: float) -> None:
+        """Process events until every process has exited or virtual time ``until``."""
+        events = self.events
+        while events:
+            if events[0][0] > until:
+                self.now = until
+                return
+            t, _, kind, i, data = heapq.heappop(events)
+            if kind == FAULT:
+                self._faults -= 1
+                self.now = t
+                what, action = data
+                self.log.append((t, what))
+                action()
+                continue
+            p = self.procs[i]
+            if not p.up:
+                continue
+            if kind == FRAMES:
+                self.now = t
+                if p.stalled:
+                    p.backlog.append(data)
+                else:
+                    self._receive(p, *data)
+            elif kind == TICK:
+                if data != p.epoch or p.stalled:
+                    continue  # a stalled process ticks again when it runs again
+                self.now = t
+                assert p.life is not None
+                p.life.control.apply(p.life.control.tick(p.local(t)))
+                self._push(t + p.span(p.cfg.timing.tick), TICK, i, p.epoch)
+            else:  # RESUME
+                epoch, token = data
+                if epoch != p.epoch or token != p.token:
+                    continue
+                self.now = t
+                if p.stalled:
+                    p.resume_due = True
+                    continue
+                p.polling = False
+                self._advance(p)
+            if not self._up and not self._faults:
+                return
+
+    # -- outcomes ----------------------------------------------------------------------------
+    def _result(self, p: SimProcess) -> dict[str, Any]:
+        life = p.life
+        node = life.node if life is not None else None
+        return {"node": p.id, "exit": p.exit if not p.up else None, "status": life.status if life else None,
+                "steps": node.step if node else 0, "rounds": node.round if node else 0,
+                "members": len(node.members) if node else 0, "member_ids": list(node.members) if node else [],
+                "joined": life.joined if life else False, "rejoins": life.rejoins if life else 0,
+                "merges": life.merges if life else 0, "state_from": life.state_from if life else None,
+                "resumed_from": life.resumed_from if life else None,
+                "timed_out_rounds": life.timed_out_rounds if life else 0,
+                "max_step_gap_s": life.max_step_gap if life else 0.0,
+                "neighbor_distance": node.neighbor_distance() if node else float("nan"),
+                "params_sha256": node.state.sha256() if node else None,
+                "finite": bool(torch.isfinite(node.state.flat).all()) if node else True,
+                "rejected": self._rejected(life), "took": life.took if life else None,
+                "handed": list(life.handed) if life else []}
+
+    @staticmethod
+    def _rejected(life: Lifecycle | None) -> dict[str, int]:
+        """Refused messages by reason: the control plane's and the node's checks."""
+        if life is None:
+            return {}
+        out = Counter(life.control.rejected)
+        if life.node is not None:
+            out.update(life.node.rejected)
+        return {k: v for k, v in sorted(out.items()) if v}
+
+    def results(self) -> list[dict[str, Any]]:
+        """Each process's outcome (the current or last process at each index)."""
+        return [self._result(p) for p in self.procs]

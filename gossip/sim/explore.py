@@ -1,0 +1,277 @@
+"""Seeded exploration of fault schedules over the real control plane (``gossip.sim.cluster``).
+
+Each run draws, from its own seed, a small cluster (3 to 5 nodes) and a fault
+schedule, runs it on the virtual clock, and checks invariants. The faults:
+crashes, restarts with and without a checkpoint, late starts (joins), stalls
+longer than ``--dead-after``, partitions and heals, delay spikes on one link for
+a while; on every message loss, jitter, duplication and reordering; and a clock
+per node that drifts (up to 5%) from its own offset. Fault times fall anywhere
+from startup to ``FAULTS_END``, or, in one schedule of four, around the finish.
+
+The nodes train a 30-parameter model on a tiny synthetic task, a step per round:
+what is explored is the protocol, and its invariants do not depend on the model:
+
+- every process alive at the end finishes (exit "done", all its steps); one
+  started when another had finished, or was within ``join_margin`` rounds of its
+  end (a join scheduled then falls after the end), may instead exit with the
+  error that says its cluster finished or nobody will schedule its join;
+- parameters stay finite;
+- no synchronous round mixes a message of another round, or from a sender that
+  is not the member its index names in the node's member list;
+- every joiner's first parameters equal the state its donor handed over;
+- after the last fault, the survivors form one cluster: every survivor ends
+  with the same member list, holding exactly the survivors (checked when the
+  last fault is over ``SETTLE_S`` virtual seconds before training ends, the
+  bound this check allows the protocol; not for faults around the finish).
+
+A run that breaks one prints its seed; ``--replay SEED`` runs exactly that
+schedule again. The last line is one JSON object: ``runs``, ``violations``,
+``schedules_per_cpu_minute`` (and the failing seeds).
+
+    python -m gossip.sim.explore --runs 20 --seed 1
+    python -m gossip.sim.explore --runs 20 --seed 1 --detector swim
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gossip.protocol.timing import DEFAULT_DETECTOR, DETECTORS
+from gossip.sim.cluster import SimCluster
+from gossip.transport.links import LinkModel
+
+__all__ = ["Schedule", "draw", "run_schedule", "check", "trace", "main"]
+
+STEP_S = 0.2   # virtual seconds per local step (and round): few rounds, each one a full round
+STEPS = 100    # 20 virtual seconds of training
+FAULTS_END = 8.0  # every fault (and heal, and restart) of a settling schedule is over by then
+SETTLE_S = STEP_S * STEPS - FAULTS_END  # training left after the last fault, at least (12 s)
+FINISH = (STEP_S * STEPS - 4.0, STEP_S * STEPS + 3.0)  # where faults fall in a schedule around the finish
+# how a process started after its cluster finished may end: nobody will schedule its join
+AFTER_FINISH = ("error: the running cluster did not schedule our join (no answer to hello)",
+                "error: every member of the cluster it joins has finished training (")
+TASK = "synthetic:dim=4,classes=2,samples=64,test_samples=16,hidden=4,batch_size=4"  # 30 parameters
+
+
+@dataclass
+class Schedule:
+    """One drawn run: cluster size, link model, and the faults in time order."""
+
+    seed: int
+    n: int
+    loss: float
+    jitter: float
+    duplicate: float = 0.0
+    reorder: float = 0.0
+    reorder_by: float = 0.05
+    clocks: list[tuple[float, float]] = field(default_factory=list)  # (drift, offset) per node
+    settles: bool = True  # the last fault ends SETTLE_S before training does (the one-cluster check applies)
+    faults: list[tuple] = field(default_factory=list)  # (time, kind, args...)
+    trace: str = ""  # a hash of the run's outcome, once run
+
+    def describe(self) -> str:
+        drifts = ", ".join(f"{d * 100:+.2f}%" for d, _ in self.clocks) if any(d for d, _ in self.clocks) else "none"
+        return (f"seed {self.seed} (trace {self.trace}): {self.n} nodes, loss {self.loss:.3f}, "
+                f"jitter {self.jitter * 1e3:.1f} ms, duplicate {self.duplicate:.3f}, reorder {self.reorder:.3f} "
+                f"(by {self.reorder_by * 1e3:.0f} ms), drift {drifts}, "
+                f"{'settling' if self.settles else 'around the finish'}; "
+                + "; ".join(" ".join(map(_fmt, f)) for f in self.faults))
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.2f}" if isinstance(x, float) else str(x)
+
+
+def draw(seed: int) -> Schedule:
+    """The schedule of run ``seed`` (the same seed, the same schedule)."""
+    rng = random.Random(seed)  # the only source of the schedule: no hash() of anything, no clock
+    n = rng.randint(3, 5)
+    s = Schedule(seed, n, loss=rng.choice([0.0, 0.0, 0.005, 0.02]), jitter=rng.choice([0.0, 0.002, 0.02]),
+                 duplicate=rng.choice([0.0, 0.0, 0.01, 0.05]), reorder=rng.choice([0.0, 0.0, 0.01, 0.05]),
+                 reorder_by=rng.choice([0.01, 0.1, 0.5]))
+    if rng.random() < 0.5:  # clocks that drift, each from its own offset
+        s.clocks = [(rng.choice([0.0, 1e-4, -1e-4, 0.01, -0.01, 0.05, -0.05]), round(rng.uniform(0.0, 1000.0), 3))
+                    for _ in range(n)]
+    s.settles = rng.random() < 0.75
+    lo, hi = (0.0, FAULTS_END) if s.settles else FINISH
+    end = (lambda t: round(min(FAULTS_END, t), 2)) if s.settles else (lambda t: round(t, 2))
+    busy: set[int] = set()  # a node gets one fault per run (a crash and its restart are one)
+    late = 0
+    for _ in range(rng.randint(1, 4)):
+        kind = rng.choice(["crash", "restart", "restart-ck", "stall", "partition", "late", "spike"])
+        t = round(rng.uniform(lo, hi), 2)
+        if kind == "spike":  # a link, not a node: any number of them
+            i, j = rng.sample(range(n), 2)
+            until, delay = end(t + rng.uniform(0.2, 3.0)), rng.choice([0.05, 0.3, 1.0, 2.5])
+            if until > t:  # (a window drawn at FAULTS_END itself is empty: no fault)
+                s.faults.append((t, "spike", min(i, j), max(i, j), until, delay))
+            continue
+        if kind == "partition":
+            if busy:
+                continue
+            cut = rng.randint(1, n - 1)
+            ids = list(range(n))
+            rng.shuffle(ids)
+            heal = end(t + rng.uniform(0.5, 4.0))
+            if heal > t:
+                s.faults.append((t, "partition", sorted(ids[:cut]), sorted(ids[cut:]), heal))
+                busy.update(range(n))
+            continue
+        free = [i for i in range(n) if i not in busy]
+        if not free or (kind in ("crash", "late") and len(free) < 2) or (kind == "late" and late):
+            continue
+        i = rng.choice(free)
+        busy.add(i)
+        if kind == "crash":
+            s.faults.append((t, "crash", i))
+        elif kind == "late":  # it starts at t; its seed is a node that starts at 0
+            late += 1
+            s.faults.append((t, "late", i))
+        elif kind in ("restart", "restart-ck"):
+            back = end(t + rng.uniform(0.2, 2.5))
+            if back > t:
+                s.faults.append((t, kind, i, back))
+        else:
+            until = end(t + rng.uniform(0.5, 3.5))
+            if until > t:
+                s.faults.append((t, "stall", i, until))
+    s.faults.sort()
+    if s.settles:  # a fault that would end after FAULTS_END was cut there; a start at it is not a fault
+        assert all(max(x for x in f if isinstance(x, float)) <= FAULTS_END for f in s.faults), s.faults
+    return s
+
+
+def run_schedule(s: Schedule, workdir: str, detector: str = DEFAULT_DETECTOR) -> SimCluster:
+    """Run schedule ``s`` (checkpoints under ``workdir``) with failure detector ``detector``."""
+    link = LinkModel(latency=1e-3, bandwidth=1e9, loss=s.loss, jitter=s.jitter)
+    ck = {f[2] for f in s.faults if f[1] == "restart-ck"}  # only they read checkpoints: only they write them
+    late = [f[2] for f in s.faults if f[1] == "late"]
+    first = [i for i in range(s.n) if i not in late]
+
+    def peers(i: int) -> list[int]:  # a ring among the first; a late node names them all (any may be down)
+        if i in late:
+            return first
+        k = first.index(i)
+        return [first[(k + 1) % len(first)]]
+
+    c = SimCluster(s.n, steps=STEPS, seed=s.seed, link=link, step_time=STEP_S, task=TASK, join_margin=10,
+                   timeout=2.0, checkpoint_every=10, peers=peers, late=late, duplicate=s.duplicate,
+                   reorder=s.reorder, reorder_by=s.reorder_by,
+                   checkpoint_dir=lambda i: f"{workdir}/ck{i}" if i in ck else None, detector=detector)
+    for i, (drift, offset) in enumerate(s.clocks):
+        c.clock(i, drift=drift, offset=offset)
+    for f in s.faults:
+        t, kind = f[0], f[1]
+        if kind == "late":
+            c.start(f[2], at=t)
+        elif kind == "spike":
+            c.spike(f[2], f[3], at=t, until=f[4], delay=f[5])
+        elif kind == "crash":
+            c.crash(f[2], at=t)
+        elif kind in ("restart", "restart-ck"):
+            c.crash(f[2], at=t)
+            c.start(f[2], at=f[3], resume=kind == "restart-ck")
+        elif kind == "stall":
+            c.stall(f[2], at=t, until=f[3])
+        elif kind == "partition":
+            c.partition([f[2], f[3]], at=t, until=f[4])
+    c.run(until=STEP_S * STEPS * 10 + 60.0)
+    return c
+
+
+def check(c: SimCluster, settles: bool = True) -> list[str]:
+    """The invariants a finished run must hold; the violations, in words
+    (``settles``: check that the survivors form one cluster)."""
+    out: list[str] = []
+    results = c.results()
+    survivors = [r for p, r in zip(c.procs, results) if p.exit != "crashed"]
+    handed = {(p.id, to, sha) for p in c.procs for life in [*p.lives, c._result(p)]
+              for to, sha in life["handed"]}
+    for p, r in zip(c.procs, results):
+        for life in [*p.lives, r]:
+            if not life["finite"]:
+                out.append(f"{life['node']}: non-finite parameters")
+            if life["took"] is not None:
+                donor, sha = life["took"]
+                if (donor, life["node"], sha) not in handed:
+                    out.append(f"{life['node']}: took a state from {donor} that {donor} did not hand over")
+        out.extend(p.mix_violations)
+        if p.exit == "crashed":
+            continue
+        if p.after_finish and (r["exit"] or "").startswith(AFTER_FINISH):
+            continue  # started after its cluster finished: it says so and exits (it must not hang)
+        if r["exit"] != "done" or r["steps"] != STEPS:
+            out.append(f"{r['node']}: did not finish (exit {r['exit']}, step {r['steps']} of {STEPS})")
+    ids = sorted(r["node"] for r in survivors)
+    views = {tuple(sorted(r["member_ids"])) for r in survivors}
+    if settles and views != {tuple(ids)}:
+        out.append(f"survivors {ids} end in clusters {sorted(views)}")
+    return out
+
+
+def trace(c: SimCluster) -> str:
+    """What a run did, in one hash: every node's parameters, member list, steps and
+    exit, every applied fault, and the frames sent and lost; equal on every replay."""
+    what = ([(r["params_sha256"], r["member_ids"], r["steps"], r["exit"], r["state_from"]) for r in c.results()],
+            [(p.exit, len(p.lives)) for p in c.procs], c.log and [(round(t, 9), w) for t, w in c.log],
+            c.frames_sent, c.frames_lost)
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gossip.sim.explore", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=20, help="schedules to draw and run")
+    ap.add_argument("--seed", type=int, default=0, help="run k uses seed SEED * 1000003 + k")
+    ap.add_argument("--replay", type=int, default=None, help="run only the schedule of this run seed")
+    ap.add_argument("--detector", choices=DETECTORS, default=DEFAULT_DETECTOR,
+                    help="the nodes' failure detector (gossip-node --detector); a seed's schedule is the same "
+                         "with either (default: %(default)s)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log the protocol (INFO)")
+    args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, format="%(message)s")
+    torch.set_num_threads(1)
+    seeds = [args.replay] if args.replay is not None else [args.seed * 1000003 + k for k in range(args.runs)]
+    failed: list[int] = []
+    cpu0 = time.process_time()
+    # checkpoints on a memory file system where there is one: their fsyncs are not what is explored
+    scratch = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    for seed in seeds:
+        s = draw(seed)
+        with tempfile.TemporaryDirectory(prefix="gossip-explore-", dir=scratch) as work:
+            try:
+                c = run_schedule(s, work, args.detector)
+                bad = check(c, s.settles)
+                s.trace = trace(c)
+            except Exception:  # an exception out of the protocol (or the harness) is a finding too
+                bad = ["raised: " + traceback.format_exc().rstrip().replace("\n", "\n  ")]
+        if bad:
+            failed.append(seed)
+            print(f"VIOLATION {s.describe()}", file=sys.stderr)
+            for b in bad:
+                print(f"  {b}", file=sys.stderr)
+            print(f"  replay: python -m gossip.sim.explore --replay {seed} --detector {args.detector}", file=sys.stderr)
+        elif args.replay is not None or args.verbose:
+            print(f"ok {s.describe()}", file=sys.stderr)
+    cpu = time.process_time() - cpu0
+    print(json.dumps({"runs": len(seeds), "violations": len(failed), "failing_seeds": failed, "detector": args.detector,
+                      "schedules_per_cpu_minute": round(len(seeds) / (cpu / 60), 2) if cpu > 0 else None}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
