@@ -85,7 +85,7 @@ def _with_forced_outer(spec: OuterSpec, **cfg) -> Simulation:
 def _int8_steps(sent: list, numel: int) -> torch.Tensor:
     """Per parameter: the largest quantization step (its block's absmax / 127) that any int8
     message in ``sent`` (see :func:`_capture`) carried for it."""
-    from gossip.compression.base import from_buffer
+    from gossip.core.buffers import from_buffer
 
     msgs = [m.data for _, m in sent if m.data.codec == "int8"]
     assert msgs and {d.numel for d in msgs} == {numel}
