@@ -57,7 +57,7 @@ __all__ = ["SimCluster", "SimProcess", "FAST", "node_id"]
 
 log = logging.getLogger("gossip.simcluster")
 
-#: the settings of the real-process fault tests (tests/test_faults_real.py ``FAST``)
+#: the settings of the real-process fault tests (tests/peer/test_faults_real.py ``FAST``)
 FAST: dict[str, Any] = dict(timing=Timing.fast(), timeout=5.0)
 
 RESUME, FRAMES, TICK, FAULT = range(4)

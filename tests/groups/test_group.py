@@ -76,7 +76,7 @@ def _context():
         import multiprocessing
 
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed.fsdp", "gossip.groups.run", "tests.test_group"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed.fsdp", "gossip.groups.run", "tests.groups.test_group"])
     return _CTX
 
 
@@ -645,7 +645,7 @@ class Torchruns:
         import subprocess
 
         env = {v: os.environ[v] for v in os.environ if v not in TORCHRUN_VARS}
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
         for name, gid in self.groups.items():
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.k),
                    "--master-addr", "127.0.0.1", "--master-port", str(self.masters[name]), "--monitor-interval", "0.1",

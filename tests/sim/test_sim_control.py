@@ -4,7 +4,7 @@ lifecycle (gossip.protocol.lifecycle, gossip.protocol.control) over a simulated 
 Each scenario applies faults to processes and links only (a crash, a restart, a
 stall, a partition); detection, leave rounds, joins, state transfer and merges
 come from the protocol. Each checks the outcome its real-process test checks
-(tests/test_faults_real.py, tests/test_peer_cli.py), in seconds and
+(tests/peer/test_faults_real.py, tests/peer/test_peer_cli.py), in seconds and
 deterministically.
 """
 

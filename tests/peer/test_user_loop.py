@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.cluster import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_user_loops_gossip_and_agree():

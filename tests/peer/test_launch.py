@@ -40,7 +40,7 @@ from gossip.peer.tensorboard_log import (
 from gossip.transport.ports import free_ports
 from tests.cluster import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ")
 
 

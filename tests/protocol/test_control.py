@@ -1,5 +1,6 @@
-"""The membership protocol of one peer, without sockets: starting together, restarts,
-fresh connections towards members that come back, and a live member declared dead."""
+"""The control plane of one peer, without sockets (gossip/protocol/control.py): starting together,
+restarts, fresh connections towards members that come back, a live member declared dead, the
+heartbeat detector and the verdicts of any detector."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from gossip.protocol.control import ControlPlane
 from gossip.protocol.membership import Membership
 from gossip.protocol.timing import Timing
 from tests.helpers import tick
+
 
 FP = "f" * 16
 
@@ -301,15 +303,6 @@ def test_the_halves_of_a_healed_partition_meet_and_the_smaller_joins_the_larger(
     assert small.m.joins[b1] == join and small.m.at_round(join) == [a1, a2, a3, b1]
 
 
-def test_clusters_of_equal_size_agree_which_one_goes_on():
-    a, b, c, d = (f"10.0.0.{i}:1" for i in range(1, 5))
-    left, right = _split(a, [a, b, c, d], [c, d], 10), _split(d, [a, b, c, d], [a, b], 10)
-    left.receive("members", d, status="training", rnd=10, **_lists(right))
-    right.receive("members", a, status="training", rnd=10, **_lists(left))
-    # two members each: the one holding the smallest id (a) goes on, the other joins it
-    assert left.merges == [] and right.merges == [(a, {a, b})]
-
-
 def test_a_node_that_trained_alone_joins_the_cluster_its_seed_started_without_it():
     """A seed that answers only after --join-timeout: the node trained alone meanwhile."""
     alone, s1, s2 = "10.0.0.9:1", "10.0.0.1:1", "10.0.0.2:1"
@@ -321,21 +314,6 @@ def test_a_node_that_trained_alone_joins_the_cluster_its_seed_started_without_it
     seed.receive("hello", alone, status="training", rnd=30, **_lists(me))
     me.receive("members", s1, status="training", rnd=50, **_lists(seed))
     assert me.merges == [(s1, {s1, s2})] and seed.merges == [] and alone not in seed.m.joins
-
-
-def test_only_a_training_node_of_the_other_cluster_counts():
-    a, b = "10.0.0.1:1", "10.0.0.2:1"
-    me = _split(b, [a, b], [a], 40)
-    # a waits (a new life of its own, or a finished run): not a cluster that trains
-    me.receive("members", a, status="waiting", rnd=60, mids=[a], mincs=[1], base=[a], lids=[b], lrounds=[45])
-    me.receive("members", a, status="done", rnd=60, mids=[a], mincs=[1], base=[a], lids=[b], lrounds=[45])
-    assert me.merges == [] and me.excluded == []
-    me.status = "done"  # nor does a node that finished
-    me.receive("members", a, status="training", rnd=60, mids=[a], mincs=[1], base=[a, b], lids=[b], lrounds=[45])
-    assert me.merges == []
-    me.status = "training"
-    me.receive("members", a, status="training", rnd=60, mids=[a], mincs=[1], base=[a, b], lids=[b], lrounds=[45])
-    assert me.merges == [(a, {a})]  # {a} against {b}: a holds the smaller id
 
 
 def test_members_declared_dead_are_asked_now_and_then_whether_they_are_back():
@@ -388,41 +366,6 @@ def test_a_joiner_declared_dead_before_its_join_round_leaves_after_it():
     me.m.announce_join(x, 70)
     me.m.remove(x, "silent")
     assert me.m.leaves[x] == 71 and me.m.at_round(70) == [a, x] and me.m.at_round(71) == [a]
-
-
-def test_one_side_of_a_partition_that_is_forming_does_not_drop_a_node_of_the_other():
-    """The cut reaches each side at a slightly different moment: for a moment, a node
-    of the small side still reaches a node of the large side, and its lists drop the
-    large side's nodes. That is not the large cluster's verdict: the node stays."""
-    a1, a2, a3, b1, b2 = (f"10.0.0.{i}:1" for i in range(1, 6))
-    everyone = [a1, a2, a3, b1, b2]
-    small = _split(b1, everyone, [a1, a2], 40)  # b1 already dropped a1 and a2, not yet a3
-    me = _split(a1, everyone, [], 40)  # a1 has dropped nobody yet
-    me.receive("members", b1, status="training", rnd=40, **_lists(small))
-    _keep_alive(me, everyone[1:], 0.0, 5.0)
-    assert me.excluded == [] and me.merges == []
-    # b1 still is alive and trains with us by the time the verdict is judged: it is the one
-    # out of line (it dropped a2, whom the rest still count), and a1 drops it in turn
-    assert b1 not in me.m.members and b1 in me.m.leaves
-    me.receive("members", b1, status="training", rnd=40, **_lists(small))
-    _keep_alive(me, everyone[1:], 5.5, 10.0)
-    assert me.excluded == [] and me.merges == []
-    # the verdict of the whole cluster (every other member trains on without us) counts
-    rest = _split(a2, everyone, [a1], 40)
-    me.receive("members", a2, status="training", rnd=40, **_lists(rest))
-    _keep_alive(me, everyone[1:], 10.5, 14.0)
-    assert me.excluded == [(45, a2)]
-
-
-def test_a_list_that_drops_us_from_a_member_that_then_falls_silent_is_a_partition_not_a_verdict():
-    a1, a2, b1, b2 = (f"10.0.0.{i}:1" for i in range(1, 5))
-    everyone = [a1, a2, b1, b2]
-    other_side = _split(a1, everyone, [b1], 40)  # a1 dropped b1 first; b2 it still counts
-    me = _split(b1, everyone, [], 40)
-    me.receive("members", a1, status="training", rnd=40, **_lists(other_side))
-    assert a1 in me.m.eventual() and me.m.eventual() - {b1} <= other_side.m.eventual()
-    _keep_alive(me, [b2], 0.0, 3.0)  # then the cut reaches this direction too: a1 and a2 fall silent
-    assert me.excluded == [] and a1 not in me.m.members
 
 
 def test_a_node_joining_another_cluster_neither_joins_nor_reaches_its_old_partner():
@@ -524,30 +467,6 @@ def test_a_restarted_starter_s_join_heard_before_its_old_life_s_leave_stands():
     assert pa.m.schedule_digest() == pb.m.schedule_digest() == pc.m.schedule_digest()
 
 
-def test_joins_and_leaves_of_lives_give_one_schedule_in_any_order():
-    """Every order of the same announcements (two lives of x, a death of y's joiner
-    life, a leave that arrives before its join) leaves the same schedule."""
-    import itertools
-
-    a, x, y = "10.0.0.1:1", "10.0.0.4:1", "10.0.0.5:1"
-    events = [("leave", x, 105, 1), ("join", x, 120, 2), ("leave", x, 140, 2), ("join", x, 160, 3),
-              ("join", y, 130, 7), ("leave", y, 150, 7)]
-    schedules = set()
-    for order in itertools.permutations(events):
-        m = Membership(a, 1, FP)
-        m.heard(x, 1, 0.0, status="training")
-        m.start([a, x])
-        m.training = True
-        for kind, who, rnd, inc in order:
-            (m.announce_join if kind == "join" else m.announce_leave)(who, rnd, inc)
-        schedules.add((tuple(tuple(m.at_round(r)) for r in (100, 110, 125, 135, 145, 155, 165)),
-                       m.schedule_digest()))
-    assert len(schedules) == 1, schedules
-    (rounds, _), = schedules
-    # the record holds x's latest life (from 160; its earlier lives train no more), y from 130 to 150
-    assert rounds == ((a,), (a,), (a,), (a, y), (a, y), (a,), (a, x))
-
-
 def test_what_the_lists_said_of_a_previous_life_is_not_judged_in_the_new_one():
     """Between the verdict "dropped" and the new life, lists still carry the old life's
     leave. Before, that evidence was judged 1.5 x dead_after later, when the new life
@@ -597,26 +516,6 @@ def test_a_cluster_whose_starters_all_restarted_still_schedules_joins():
     pc = Plane(c)
     pc.receive("members", a, status="training", rnd=100, **_lists(pa))
     assert pc.m.started and pc.m.joins[c] == join and pc.m.at_round(join) == [a, b, c]
-
-
-def test_the_docstring_examples_of_membership_hold():
-    import doctest
-
-    import gossip.protocol.membership
-
-    result = doctest.testmod(gossip.protocol.membership)
-    assert result.attempted >= 8 and result.failed == 0
-
-
-def test_a_neighbour_far_behind_is_out_of_step_and_one_far_ahead_means_this_node_is():
-    """The wedge under churn: four nodes near round 122,700 waited every round for a
-    live member that trained at round 47,937 from a stale checkpoint."""
-    from gossip.protocol.membership import out_of_step
-
-    awaited = {"a": ("training", 47_937), "b": ("training", 122_699), "c": ("waiting", 0), "d": ("done", 10)}
-    assert out_of_step(122_700, awaited, 25) == (["a"], None)
-    assert out_of_step(47_937, {"b": ("training", 122_700)}, 25) == ([], "b")
-    assert out_of_step(1000, {"b": ("training", 1020), "e": ("training", 980)}, 25) == ([], None)  # near: wait
 
 
 def test_silence_from_a_new_life_read_of_in_a_list_is_no_leave_for_its_join():
@@ -702,37 +601,6 @@ def test_the_control_plane_acts_on_its_detector_s_verdicts():
     assert (b, "ping") in kinds and (b, "members") in kinds and all(dst != c for dst, _ in kinds)
     ping = next(msg for dst, msg in p.sent if msg.kind == "ping")
     assert ping.extra["digest"] == p.m.digest()
-
-
-def test_a_joiner_that_starts_training_announces_the_leaves_of_members_it_found_dead():
-    """A node waiting for its join announces no leave of a member it finds silent
-    (its silence is often its own). When it starts training, the members its schedule
-    still counts but it found dead in this life leave, once they stayed silent
-    another --dead-after: the trainers who would have announced it may be dead too
-    (explorer seeds 10000077, 10000260: a survivor trained to the end with a crashed
-    member in its topology). One that speaks again meanwhile stays; one last heard
-    before this life began (across a partition, say) is no suspect: a merging node
-    that announced those leaves dropped the live members of the cluster it joined."""
-    a, b, c, d, e = (f"10.0.0.{i}:1" for i in range(1, 6))
-    m = Membership(a, 1, FP, timing=Timing(dead_after=2.0))
-    for x in (b, c, d, e):
-        m.heard(x, 1, 0.0, status="training", round=4)
-    m.start([b, c, d, e])
-    m.new_life(2, now=1.0)  # a new life (its join comes from the lists)
-    m.start([b, c, d, e], [1, 1, 1, 1])
-    m.joins[a] = 6
-    m.heard(c, 1, 1.5)
-    m.heard(d, 1, 1.5)
-    for x in (b, c, d):
-        assert m.remove(x, "silent for more than 2 s")
-    assert not m.leaves  # waiting: no verdict of its own yet
-    m.begin_training(4.0)
-    assert m.training and sorted(m.suspects) == [c, d]  # b was last heard before this life began
-    m.heard(d, 1, 5.0)  # d speaks again: re-admitted, no longer a suspect
-    assert m.confirm_dead(5.9) == [] and c not in m.leaves
-    assert m.confirm_dead(6.0) == [c]
-    assert m.leaves == {c: 4 + m.timing.leave_margin} and m.eventual() == {a, b, d, e}
-    assert m.confirm_dead(9.0) == [] and not m.suspects
 
 
 def test_a_leave_is_announced_past_this_node_s_own_round_when_no_other_trainer_is_heard():

@@ -470,7 +470,7 @@ def test_membership_scale_benchmark_runs_and_ends_with_its_json_line(capsys):
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "membership_scale.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "membership_scale.py"
     spec = importlib.util.spec_from_file_location("membership_scale", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -164,7 +164,7 @@ def test_cli_rejects_bad_async_options(args, needle, capsys):
 
 # -- the cross-datacenter claims, in their benchmark configuration (one or two seeds) -------
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
 def test_async_reaches_sync_accuracy_in_a_third_of_the_time():

@@ -19,7 +19,7 @@ import pytest
 
 from tests.cluster import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "user_scripts"
 FINISHED = re.compile(r"finished at step (\d+) \((\d+) trained here\), round (\d+); (\d+) round\(s\) timed out")
 

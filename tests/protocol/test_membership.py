@@ -1,0 +1,214 @@
+"""The member table and its schedule (gossip/protocol/membership.py): who trains in which round,
+in what order announcements arrive, which cluster goes on when two meet."""
+
+from __future__ import annotations
+
+import threading
+
+from gossip.core.message import Message
+from gossip.protocol.control import ControlPlane
+from gossip.protocol.membership import Membership
+from gossip.protocol.timing import Timing
+from tests.helpers import tick
+
+
+FP = "f" * 16
+
+
+class Plane:
+    """A ControlPlane for node ``me`` whose sends and reconnects are recorded, on the
+    heartbeat detector (its verdicts follow from ``last_seen`` alone)."""
+
+    def __init__(self, me: str, *, seeds: tuple[str, ...] = (), status: str = "waiting", rnd: int = 0) -> None:
+        self.sent: list[tuple[str, Message]] = []
+        self.reconnected: list[str] = []
+        self.excluded: list[tuple[int, str]] = []
+        self.merges: list[tuple[str, set[str]]] = []  # (by, the cluster to join)
+        self.status, self.round = status, rnd
+        self.m = Membership(me, 1, FP, timing=Timing(dead_after=2.0))
+        self.m.training = status == "training"
+        self.m.heard(me, 1, 0.0)
+        self.cp = ControlPlane(me, 1, FP, "", self.m, threading.RLock(), lambda d, m: self.sent.append((d, m)),
+                               lambda m: None, lambda: (self.status, self.round, 0), timing=self.m.timing, seeds=seeds,
+                               reconnect=self.reconnected.append,
+                               excluded=self._excluded, detector="heartbeat")
+
+    def _excluded(self, rnd: int, by: str, cluster: set[str], merge: bool) -> None:
+        if merge:
+            self.merges.append((by, cluster))
+        else:
+            self.excluded.append((rnd, by))
+
+    def receive(self, kind: str, sender: str, inc: int = 1, *, status: str = "waiting", rnd: int = 0,
+                **extra) -> None:
+        from gossip.transport import wire
+
+        x = {"inc": inc, "status": status, "dc": "", **extra}
+        frames = wire.encode(Message(kind, sender, rnd, 0, 0, None, None, x, FP))
+        self.cp.on_frames(sender.encode(), [bytes(memoryview(f)) for f in frames])
+
+
+def _keep_alive(p: Plane, alive: list[str], start: float, end: float) -> None:
+    """Heartbeats of ``p`` from ``start`` to ``end`` (0.5 s apart), hearing ``alive`` at each
+    (those still in its member table)."""
+    t = start
+    while t <= end:
+        for a in alive:
+            if a in p.m.members:
+                p.m.heard(a, p.m.members[a].incarnation, t)
+        tick(p.cp, t)
+        t += 0.5
+
+
+def _split(me: str, starters: list[str], other_side: list[str], rnd: int) -> Plane:
+    """Node ``me`` of a cluster started with ``starters``, training at ``rnd``, that
+    declared ``other_side`` dead (a partition): their leaves are announced."""
+    p = Plane(me, status="training", rnd=rnd)
+    for x in starters:
+        if x != me:
+            p.m.heard(x, 1, 0.0, status="training", round=rnd)
+    p.m.start(starters)
+    for x in other_side:
+        p.m.remove(x, "silent")
+    return p
+
+
+def _lists(p: Plane) -> dict:
+    """The member lists ``p`` sends (the extra fields of its members message)."""
+    x = p.cp._members_message().extra
+    return {k: x[k] for k in ("mids", "mincs", "base", "jids", "jrounds", "lids", "lrounds", "bincs", "jincs",
+                              "lincs") if k in x}
+
+
+def test_clusters_of_equal_size_agree_which_one_goes_on():
+    a, b, c, d = (f"10.0.0.{i}:1" for i in range(1, 5))
+    left, right = _split(a, [a, b, c, d], [c, d], 10), _split(d, [a, b, c, d], [a, b], 10)
+    left.receive("members", d, status="training", rnd=10, **_lists(right))
+    right.receive("members", a, status="training", rnd=10, **_lists(left))
+    # two members each: the one holding the smallest id (a) goes on, the other joins it
+    assert left.merges == [] and right.merges == [(a, {a, b})]
+
+
+def test_only_a_training_node_of_the_other_cluster_counts():
+    a, b = "10.0.0.1:1", "10.0.0.2:1"
+    me = _split(b, [a, b], [a], 40)
+    # a waits (a new life of its own, or a finished run): not a cluster that trains
+    me.receive("members", a, status="waiting", rnd=60, mids=[a], mincs=[1], base=[a], lids=[b], lrounds=[45])
+    me.receive("members", a, status="done", rnd=60, mids=[a], mincs=[1], base=[a], lids=[b], lrounds=[45])
+    assert me.merges == [] and me.excluded == []
+    me.status = "done"  # nor does a node that finished
+    me.receive("members", a, status="training", rnd=60, mids=[a], mincs=[1], base=[a, b], lids=[b], lrounds=[45])
+    assert me.merges == []
+    me.status = "training"
+    me.receive("members", a, status="training", rnd=60, mids=[a], mincs=[1], base=[a, b], lids=[b], lrounds=[45])
+    assert me.merges == [(a, {a})]  # {a} against {b}: a holds the smaller id
+
+
+def test_one_side_of_a_partition_that_is_forming_does_not_drop_a_node_of_the_other():
+    """The cut reaches each side at a slightly different moment: for a moment, a node
+    of the small side still reaches a node of the large side, and its lists drop the
+    large side's nodes. That is not the large cluster's verdict: the node stays."""
+    a1, a2, a3, b1, b2 = (f"10.0.0.{i}:1" for i in range(1, 6))
+    everyone = [a1, a2, a3, b1, b2]
+    small = _split(b1, everyone, [a1, a2], 40)  # b1 already dropped a1 and a2, not yet a3
+    me = _split(a1, everyone, [], 40)  # a1 has dropped nobody yet
+    me.receive("members", b1, status="training", rnd=40, **_lists(small))
+    _keep_alive(me, everyone[1:], 0.0, 5.0)
+    assert me.excluded == [] and me.merges == []
+    # b1 still is alive and trains with us by the time the verdict is judged: it is the one
+    # out of line (it dropped a2, whom the rest still count), and a1 drops it in turn
+    assert b1 not in me.m.members and b1 in me.m.leaves
+    me.receive("members", b1, status="training", rnd=40, **_lists(small))
+    _keep_alive(me, everyone[1:], 5.5, 10.0)
+    assert me.excluded == [] and me.merges == []
+    # the verdict of the whole cluster (every other member trains on without us) counts
+    rest = _split(a2, everyone, [a1], 40)
+    me.receive("members", a2, status="training", rnd=40, **_lists(rest))
+    _keep_alive(me, everyone[1:], 10.5, 14.0)
+    assert me.excluded == [(45, a2)]
+
+
+def test_a_list_that_drops_us_from_a_member_that_then_falls_silent_is_a_partition_not_a_verdict():
+    a1, a2, b1, b2 = (f"10.0.0.{i}:1" for i in range(1, 5))
+    everyone = [a1, a2, b1, b2]
+    other_side = _split(a1, everyone, [b1], 40)  # a1 dropped b1 first; b2 it still counts
+    me = _split(b1, everyone, [], 40)
+    me.receive("members", a1, status="training", rnd=40, **_lists(other_side))
+    assert a1 in me.m.eventual() and me.m.eventual() - {b1} <= other_side.m.eventual()
+    _keep_alive(me, [b2], 0.0, 3.0)  # then the cut reaches this direction too: a1 and a2 fall silent
+    assert me.excluded == [] and a1 not in me.m.members
+
+
+def test_joins_and_leaves_of_lives_give_one_schedule_in_any_order():
+    """Every order of the same announcements (two lives of x, a death of y's joiner
+    life, a leave that arrives before its join) leaves the same schedule."""
+    import itertools
+
+    a, x, y = "10.0.0.1:1", "10.0.0.4:1", "10.0.0.5:1"
+    events = [("leave", x, 105, 1), ("join", x, 120, 2), ("leave", x, 140, 2), ("join", x, 160, 3),
+              ("join", y, 130, 7), ("leave", y, 150, 7)]
+    schedules = set()
+    for order in itertools.permutations(events):
+        m = Membership(a, 1, FP)
+        m.heard(x, 1, 0.0, status="training")
+        m.start([a, x])
+        m.training = True
+        for kind, who, rnd, inc in order:
+            (m.announce_join if kind == "join" else m.announce_leave)(who, rnd, inc)
+        schedules.add((tuple(tuple(m.at_round(r)) for r in (100, 110, 125, 135, 145, 155, 165)),
+                       m.schedule_digest()))
+    assert len(schedules) == 1, schedules
+    (rounds, _), = schedules
+    # the record holds x's latest life (from 160; its earlier lives train no more), y from 130 to 150
+    assert rounds == ((a,), (a,), (a,), (a, y), (a, y), (a,), (a, x))
+
+
+def test_the_docstring_examples_of_membership_hold():
+    import doctest
+
+    import gossip.protocol.membership
+
+    result = doctest.testmod(gossip.protocol.membership)
+    assert result.attempted >= 8 and result.failed == 0
+
+
+def test_a_neighbour_far_behind_is_out_of_step_and_one_far_ahead_means_this_node_is():
+    """The wedge under churn: four nodes near round 122,700 waited every round for a
+    live member that trained at round 47,937 from a stale checkpoint."""
+    from gossip.protocol.membership import out_of_step
+
+    awaited = {"a": ("training", 47_937), "b": ("training", 122_699), "c": ("waiting", 0), "d": ("done", 10)}
+    assert out_of_step(122_700, awaited, 25) == (["a"], None)
+    assert out_of_step(47_937, {"b": ("training", 122_700)}, 25) == ([], "b")
+    assert out_of_step(1000, {"b": ("training", 1020), "e": ("training", 980)}, 25) == ([], None)  # near: wait
+
+
+def test_a_joiner_that_starts_training_announces_the_leaves_of_members_it_found_dead():
+    """A node waiting for its join announces no leave of a member it finds silent
+    (its silence is often its own). When it starts training, the members its schedule
+    still counts but it found dead in this life leave, once they stayed silent
+    another --dead-after: the trainers who would have announced it may be dead too
+    (explorer seeds 10000077, 10000260: a survivor trained to the end with a crashed
+    member in its topology). One that speaks again meanwhile stays; one last heard
+    before this life began (across a partition, say) is no suspect: a merging node
+    that announced those leaves dropped the live members of the cluster it joined."""
+    a, b, c, d, e = (f"10.0.0.{i}:1" for i in range(1, 6))
+    m = Membership(a, 1, FP, timing=Timing(dead_after=2.0))
+    for x in (b, c, d, e):
+        m.heard(x, 1, 0.0, status="training", round=4)
+    m.start([b, c, d, e])
+    m.new_life(2, now=1.0)  # a new life (its join comes from the lists)
+    m.start([b, c, d, e], [1, 1, 1, 1])
+    m.joins[a] = 6
+    m.heard(c, 1, 1.5)
+    m.heard(d, 1, 1.5)
+    for x in (b, c, d):
+        assert m.remove(x, "silent for more than 2 s")
+    assert not m.leaves  # waiting: no verdict of its own yet
+    m.begin_training(4.0)
+    assert m.training and sorted(m.suspects) == [c, d]  # b was last heard before this life began
+    m.heard(d, 1, 5.0)  # d speaks again: re-admitted, no longer a suspect
+    assert m.confirm_dead(5.9) == [] and c not in m.leaves
+    assert m.confirm_dead(6.0) == [c]
+    assert m.leaves == {c: 4 + m.timing.leave_margin} and m.eventual() == {a, b, d, e}
+    assert m.confirm_dead(9.0) == [] and not m.suspects
