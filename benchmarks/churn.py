@@ -142,14 +142,16 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
 
 def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, down: float = 2.0, seed: int = 0,
           tail: float = 20.0, extra: list[str] | None = None, steps: int | None = None,
-          clean_run: bool = True) -> dict:
+          clean_run: bool = True, calibration: tuple[float, float] | None = None) -> dict:
     """Calibrate, then a clean and a churn run of the same steps; returns the figures.
-    ``steps`` skips the calibration; without ``clean_run`` only the churn run is made
+    ``steps`` skips the calibration; so does ``calibration``, the (rate, start-up) that
+    :func:`calibrate` measured before for the same ``n`` and ``extra`` (the tests measure
+    it once for several runs); without ``clean_run`` only the churn run is made
     (a diagnosis: goodput and the accuracy change are then None)."""
     extra = list(extra or [])
     rate = startup = None
     if steps is None:
-        rate, startup = calibrate(work, n, extra)
+        rate, startup = calibration if calibration is not None else calibrate(work, n, extra)
         # the churn is measured against the time a node needs to come back: on a slow
         # machine kills are spaced so that a restarted node can train before the next
         # (otherwise every node could be down at once, whatever the protocol does)

@@ -371,10 +371,14 @@ def test_ten_thousand_malformed_messages_change_nothing(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("GOSSIP_SOAK"), reason="soak form: set GOSSIP_SOAK=N (N times the messages)")
 def test_fuzz_soak(tmp_path, monkeypatch):
-    """SOAK times the messages (GOSSIP_SOAK, default 2 in CI; 10 for a real soak), on a
-    run long enough to take them; same checks."""
-    soak = int(os.environ.get("GOSSIP_SOAK", "2"))
+    """GOSSIP_SOAK times the messages (10 for a real soak), on a run long enough to take
+    them; same checks. Without GOSSIP_SOAK the test above is the bounded form: it makes
+    the same checks on the same twin runs, memory growth from half the messages to all of
+    them included, so a default of 2 here ran the suite's longest real-process pair twice
+    to learn nothing new."""
+    soak = int(os.environ["GOSSIP_SOAK"])
     monkeypatch.setattr(sys.modules[__name__], "STEPS", STEPS * soak)
     ref, hot, report = run_twins(tmp_path, soak)
     check(ref, hot, report)
