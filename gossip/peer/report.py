@@ -64,11 +64,15 @@ class Reporter:
             self.last_eval = node.step
             self.log_metrics("eval", time=elapsed)
 
-    def log_metrics(self, event: str, extra: dict | None = None, *, time: float = 0.0) -> dict[str, Any]:
+    def log_metrics(self, event: str, extra: dict | None = None, *, time: float = 0.0,
+                    evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One metrics record; ``evaluation`` is the model's when the caller evaluated it (a
+        group's whole model), else the task's evaluation of the node's own."""
         life = self.life
         node = life.node
         assert node is not None
-        ev = life.task.evaluate(node.model, life.device) if life.task is not None else {}
+        ev = evaluation if evaluation is not None else \
+            life.task.evaluate(node.model, life.device) if life.task is not None else {}
         rec = {"event": event, "node": life.id, "time": time, "step": node.step,
                "round": node.round, "members": len(node.members), "train_loss": node.pop_mean_loss(), "loss": ev.get("loss"),
                "accuracy": ev.get("accuracy"), "neighbor_distance": node.neighbor_distance(),

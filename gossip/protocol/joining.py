@@ -43,6 +43,7 @@ class Joining:
         self.state_step = 0  # the step of the member state taken (state_from's)
         self.resumed_from: str | None = None
         self.took: tuple[str, str] | None = None  # (donor, sha256) with life.audit
+        self.took_from: tuple[str, int] | None = None  # (donor, round of its state) this life adopted
 
     def offer(self, msg: Message) -> bool:
         """A state reply arrived; False if nobody asked for it."""
@@ -127,36 +128,59 @@ class Joining:
                            and table[m].status in ("training", "done")]
             candidates = [m for m in candidates if m in serving] or serving or candidates
             donor = candidates[attempt % len(candidates)]
-            life.send_message(donor, Message("state-request", life.id, start_round, 0, 0, None, None,
-                                             {"inc": life.incarnation}, life.fingerprint))
-            now = yield POLL0
-            deadline = now + max(2.0, cfg.timeout)
-            while now < deadline and not self.replies:
-                now = yield Poll(min(POLL, deadline - now))
-            for reply in self.replies:
-                if reply.sender == donor and reply.data is not None \
-                        and reply.data.numel == node.handover_numel(reply.extra):
-                    values = decode_payload(reply, node.state.flat)
-                    if all_finite(values):
-                        node.adopt_handover(values, reply.extra)  # parameters, and any outer momentum
-                        if life.audit:
-                            self.took = (donor, sha256_of(node.state.flat))
-                        # a joiner that fell behind (slow start, a busy machine) starts at the
-                        # donor's round: the cluster went on without it, and its members drop
-                        # messages of rounds they have finished
-                        start_round = max(start_round, reply.round)
-                        node.jump_to(self._join_step(start_round))
-                        if reply.weight is not None and node.rule.weight is not None:
-                            node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
-                        self.state_from, self.state_step = donor, reply.progress
-                        log.info("%s: took the state of %s (its step %d); joining at round %d", life.id, donor,
-                                 reply.progress, start_round)
-                        self.replies.clear()
-                        return
-            self.replies.clear()
+            if (yield from self._ask(donor, start_round, -1)):
+                return
             log.warning("%s: no state from %s yet; asking another member", life.id, donor)
         node.jump_to(self._join_step(start_round))
         log.warning("%s: no member sent its state; joining with a fresh model", life.id)
+
+    def pull_again(self, donor: str, after_round: int) -> Program:
+        """Ask ``donor`` for its state again (a group whose other ranks missed their shards of
+        round ``after_round``: the donor's ranks hand theirs over anew, at a later round)."""
+        node = self.life.node
+        assert node is not None
+        for _ in range(6):
+            if (yield from self._ask(donor, node.round, after_round)):
+                return
+        raise PeerError(f"{donor} sent no state again after round {after_round}")
+
+    def _ask(self, donor: str, start_round: int, after_round: int) -> Program:
+        """Ask ``donor`` for its state and adopt a reply of a round after ``after_round``;
+        returns whether one came."""
+        life = self.life
+        node, cfg = life.node, life.cfg
+        assert node is not None
+        self.replies.clear()
+        life.send_message(donor, Message("state-request", life.id, start_round, 0, 0, None, None,
+                                         {"inc": life.incarnation}, life.fingerprint))
+        now = yield POLL0
+        # a group hands its state over at its next exchange, which may be a while
+        deadline = now + max(2.0, cfg.timeout) * (1 if life.group_size == 1 else 3)
+        while now < deadline and not any(r.sender == donor and r.round > after_round for r in self.replies):
+            now = yield Poll(min(POLL, deadline - now))
+        for reply in self.replies:
+            if reply.sender == donor and reply.round > after_round and reply.data is not None \
+                    and reply.data.numel == node.handover_numel(reply.extra):
+                values = decode_payload(reply, node.state.flat)
+                if all_finite(values):
+                    node.adopt_handover(values, reply.extra)  # parameters, and any outer momentum
+                    if life.audit:
+                        self.took = (donor, sha256_of(node.state.flat))
+                    # a joiner that fell behind (slow start, a busy machine) starts at the
+                    # donor's round: the cluster went on without it, and its members drop
+                    # messages of rounds they have finished
+                    start_round = max(start_round, reply.round)
+                    node.jump_to(self._join_step(start_round))
+                    if reply.weight is not None and node.rule.weight is not None:
+                        node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
+                    self.state_from, self.state_step = donor, reply.progress
+                    self.took_from = (donor, reply.round)
+                    log.info("%s: took the state of %s (its step %d); joining at round %d", life.id, donor,
+                             reply.progress, start_round)
+                    self.replies.clear()
+                    return True
+        self.replies.clear()
+        return False
 
     def _join_step(self, start_round: int) -> int:
         """The local step a joiner continues from: its join round's first step; a join

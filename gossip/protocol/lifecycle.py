@@ -150,6 +150,10 @@ class Lifecycle:
         self.audit = False
         self.handed: list[tuple[str, str]] = []
         self.on_node: Callable[[Node], None] | None = None  # called with each life's node once built
+        # a group of several ranks (gossip.protocol.group): a joiner's state request waits for the
+        # group's next exchange, where every rank hands its shard over at once (take_handovers)
+        self.group_size = 1
+        self.handovers: list[str] = []
         self.joining = Joining(self)  # joins: the round, the state pulled, --resume
 
     # the join's outcome, as the reports read it
@@ -293,6 +297,7 @@ class Lifecycle:
             if mode in ("fresh", "alone"):
                 self.membership.start(self.membership.ids() if mode == "fresh" else [self.id])
         start_round = 0
+        self.joining.took_from = None
         if mode == "join":
             start_round = yield from self.joining.await_round()
         with self.lock:
@@ -585,13 +590,11 @@ class Lifecycle:
         elif msg.kind == "state-request":
             if node is None or self.status == "waiting":
                 return
-            snap, extra = node.handover()  # the parameters, and any outer optimizer's momentum
-            if self.audit:
-                self.handed.append((str(msg.sender), sha256_of(node.state.flat)))
-            weight = node.rule.weight
-            reply = Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
-                            weight, {"inc": self.incarnation, **extra}, self.fingerprint)
-            self.send_message(msg.sender, reply)
+            if self.group_size > 1:
+                if msg.sender not in self.handovers and len(self.handovers) < AHEAD:
+                    self.handovers.append(str(msg.sender))
+                return
+            self.send_message(msg.sender, self.state_reply(str(msg.sender)))
         elif msg.kind == "average":  # a collective of a training loop of the user's own (GossipNode)
             if self.on_average is not None:
                 self.on_average(msg)
@@ -599,6 +602,21 @@ class Lifecycle:
             # wanted only while a joiner pulls a state, and a few at most: each holds a whole model
             if not self.joining.offer(msg):
                 self.control.reject(str(msg.sender), "unsolicited", "a state-reply nobody asked for")
+
+    def state_reply(self, to: str) -> Message:
+        """This node's state for joiner ``to``: the parameters, and any outer optimizer's momentum."""
+        node = self.node
+        assert node is not None
+        snap, extra = node.handover()
+        if self.audit:
+            self.handed.append((to, sha256_of(node.state.flat)))
+        return Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
+                       node.rule.weight, {"inc": self.incarnation, **extra}, self.fingerprint)
+
+    def take_handovers(self) -> list[str]:
+        """The joiners whose state requests wait for the group's next exchange (and forget them)."""
+        out, self.handovers = self.handovers, []
+        return out
 
     def incarnation_of(self, sender: str) -> int | None:
         with self.lock:

@@ -1,0 +1,335 @@
+"""A node made of a group of K ranks, on the one protocol: rank 0 decides, the others follow.
+
+A group (K processes under torchrun, DDP or FSDP inside) is one member of the
+cluster. Its member id is rank 0's address ``HOST:PORT``; rank r listens on
+``HOST:PORT+r`` (:func:`rank_address`). Rank 0 runs the peer's whole protocol
+(:class:`~gossip.protocol.lifecycle.Lifecycle`, control plane, failure detector,
+joins) over its own shard, exactly as a single node over its model. Ranks
+1..K-1 run no control plane: each holds a :class:`ShardFollower`, a node over
+its own shard that exchanges with rank r of the neighbour groups, told by rank
+0 what to do through :class:`Decision` s published on the group's own channel
+(:class:`GroupLink`: torchrun's store in a real group, a modelled broadcast in
+the simulator).
+
+The decisions, numbered ``seq`` = 1, 2, ... within one life of the group:
+
+``start``
+    a life begins training: its round and step, members, data shard, and for a
+    life that joins a running cluster the ``donor`` whose shards every rank takes
+    (those handed over at round ``donor_round``). Each rank then answers whether
+    it holds its shard (``ack``); rank 0 follows with ``go`` once all do, or with
+    a new ``start`` (it asked the donor again) when one does not.
+``round``
+    an exchange: the round's members (every rank mixes with the same neighbours
+    in the same round) and the joiners to hand this round's shards to, after the
+    mix (rank r to rank r).
+``stop``
+    training ends at this exchange (a signal, or the cluster told rank 0 so).
+``life``
+    rank 0 starts a new life (the cluster dropped it, or it met a stronger
+    cluster): a ``start`` of that life follows.
+``serve``
+    after training: hand the final shards to these joiners.
+``exit``
+    the group is done: rank 0 has finished serving the others.
+
+Besides the decisions, rank 0 keeps the set of members it holds dead up to date
+on the link (:meth:`GroupLink.publish_dead`): a rank waiting for a neighbour's
+message of a round stops waiting once rank 0 holds that neighbour dead, as rank
+0's own wait does.
+
+Everything here is sans-IO: the follower yields the actions of
+:mod:`gossip.core.actions` (``Send``, ``Wait``, ``Release``) from the node
+program and is told what arrived (:meth:`ShardFollower.handle`); a driver
+(:mod:`gossip.peer.group`, :mod:`gossip.sim.cluster`) moves the bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from gossip.compression import get_codec
+from gossip.core.message import Message
+from gossip.core.state import sha256_of
+from gossip.mixing.base import all_finite, decode_payload
+from gossip.mixing.settings import MixingSettings, build_rules
+from gossip.protocol.membership import topology_for
+from gossip.training.node import Node, NodeConfig
+
+__all__ = ["Decision", "DECISIONS", "GroupLink", "ShardFollower", "rank_address", "group_of"]
+
+log = logging.getLogger("gossip.group")
+
+DECISIONS = ("start", "go", "round", "stop", "life", "serve", "exit")
+HELD = 64  # state messages held per follower for a round or a member list not applied yet
+
+
+def rank_address(group_id: str, rank: int) -> str:
+    """The gossip address of rank ``rank`` of the group whose member id is ``HOST:PORT``:
+    ``HOST:PORT+rank``.
+
+    >>> rank_address("10.0.0.5:6000", 3)
+    '10.0.0.5:6003'
+    """
+    host, sep, port = str(group_id).rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"group id must be HOST:PORT, got {group_id!r}")
+    p = int(port) + rank
+    if not 0 < p < 65536:
+        raise ValueError(f"group {group_id!r}: rank {rank} would listen on port {p}, outside 1-65535")
+    return f"{host}:{p}"
+
+
+def group_of(address: str, rank: int) -> str:
+    """The member id of the group whose rank ``rank`` listens at ``address`` (the inverse
+    of :func:`rank_address`).
+
+    >>> group_of("10.0.0.5:6003", 3)
+    '10.0.0.5:6000'
+    """
+    return rank_address(address, -rank)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Rank 0's word to the other ranks of its group (see the module docstring)."""
+
+    seq: int
+    kind: str
+    round: int = 0
+    step: int = 0
+    members: tuple[str, ...] = ()   # member ids (rank 0 addresses) in the order every member uses
+    dcs: tuple[str, ...] = ()       # their datacenter labels ("" for none), for hierarchical graphs
+    handover: tuple[str, ...] = ()  # round: joiners to hand this round's shards to, after the mix
+    donor: str | None = None        # start of a joining life: the member whose shards every rank takes ...
+    donor_round: int = -1           # ... those handed over at this round
+    rank: int = 0                   # start: the group's data shard (its index among the members) ...
+    world: int = 1                  # ... of this many
+
+    def __post_init__(self) -> None:
+        if self.kind not in DECISIONS:
+            raise ValueError(f"decision kind must be one of {', '.join(DECISIONS)}, got {self.kind!r}")
+        for name in ("seq", "round", "step", "rank", "world"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"decision {name} must be a non-negative integer, got {v!r}")
+        object.__setattr__(self, "members", tuple(self.members))
+        object.__setattr__(self, "dcs", tuple(self.dcs))
+        object.__setattr__(self, "handover", tuple(self.handover))
+        if self.dcs and len(self.dcs) != len(self.members):
+            raise ValueError("a decision's labels go one per member")
+        if set(self.handover) & set(self.members):
+            both = sorted(set(self.handover) & set(self.members))
+            raise ValueError(f"a joiner handed the shards of a round is not a member of that round: {both}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Decision":
+        """A decision as rank 0 published it (ValueError names a bad field)."""
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"a decision must be JSON: {e}") from None
+        if not isinstance(raw, dict) or set(raw) - {f.name for f in dataclasses.fields(cls)}:
+            raise ValueError(f"a decision has unknown fields: {sorted(set(raw) - {f.name for f in dataclasses.fields(cls)})}"
+                             if isinstance(raw, dict) else "a decision must be a JSON object")
+        for name in ("members", "dcs", "handover"):
+            v = raw.get(name, [])
+            if not isinstance(v, list) or not all(isinstance(e, str) for e in v):
+                raise ValueError(f"decision {name} must be a list of strings")
+        return cls(**raw)
+
+
+class GroupLink(Protocol):
+    """The group's own channel: rank 0 publishes, the other ranks read (what a driver supplies).
+
+    ``publish(d)`` (rank 0) makes decision ``d`` readable; ``next(seq, timeout)`` (rank r)
+    returns decision ``seq`` once published, or None after ``timeout`` seconds; ``ack(seq,
+    ok)`` (rank r) and ``acks(seq, timeout)`` (rank 0: every other rank's, in rank order,
+    or None after ``timeout``) answer a decision that asks for it (a joining life's
+    start); ``publish_dead(ids)`` (rank 0) and ``dead()`` (rank r) the members rank 0
+    holds dead now."""
+
+    def publish(self, decision: Decision) -> None: ...
+
+    def next(self, seq: int, timeout: float) -> Decision | None: ...
+
+    def ack(self, seq: int, ok: bool) -> None: ...
+
+    def acks(self, seq: int, timeout: float) -> list[bool] | None: ...
+
+    def publish_dead(self, ids: Sequence[str]) -> None: ...
+
+    def dead(self) -> set[str]: ...
+
+
+class ShardFollower:
+    """Rank ``rank`` (> 0) of a group: a node over its own shard, told what to do by rank 0.
+
+    Parameters
+    ----------
+    rank : this rank (1..K-1)
+    group_id : the group's member id (rank 0's address)
+    shard : this rank's shard, one flat tensor (the node mixes it in place)
+    fingerprint : rank r's layout (equal on rank r of every group of the same model and size)
+    mixing, topology, timeout, seed : as the cluster's peers run them
+    """
+
+    def __init__(self, rank: int, group_id: str, shard: torch.Tensor, fingerprint: str, *,
+                 mixing: MixingSettings, topology: Any = "ring", timeout: float = 5.0, seed: int = 0) -> None:
+        if rank < 1:
+            raise ValueError(f"a follower is rank 1 or above of its group, got rank {rank}")
+        self.rank = rank
+        self.group_id = group_id
+        self.id = rank_address(group_id, rank)
+        self.shard = shard
+        self.fingerprint = fingerprint
+        self.mixing = mixing
+        self.topology_spec = topology
+        self.timeout = float(timeout)
+        self.seed = seed
+        self.node: Node | None = None
+        self.members: tuple[str, ...] = ()  # this rank's member list: rank r of each member group
+        self.status = "waiting"
+        self.held: list[Message] = []  # state messages for members or rounds not applied yet
+        self.replies: list[Message] = []  # state replies (a joining life's shards), a few
+        self.handed: list[dict[str, Any]] = []  # shards handed to joiners: to, round, step, sha256
+        self.took: dict[str, Any] | None = None  # the shard this life took: from, round, step, sha256
+        self.rejected: dict[str, int] = {}
+        self.timed_out_rounds = 0
+        self.skipped_waits = 0  # round waits ended because rank 0 holds the awaited dead
+
+    # -- what rank 0 decided ---------------------------------------------------------------
+    def addresses(self, members: Sequence[str]) -> list[str]:
+        return [rank_address(m, self.rank) for m in members]
+
+    def apply(self, d: Decision) -> None:
+        """Take a ``start`` or ``round`` decision's members (and, for start, its round and step)."""
+        members = tuple(self.addresses(d.members))
+        topology = topology_for(self.topology_spec, len(members), seed=self.seed,
+                                dcs=list(d.dcs) if any(d.dcs) else None)
+        if self.node is None or d.kind == "start":
+            self._build(members, topology)
+        elif members != self.members:
+            old = set(self.members)
+            self.node.set_members(members, topology)
+            for a in members:
+                if a not in old:  # (re)admitted: a new life numbers its messages afresh
+                    self.node.forget_sender(a)
+        self.members = members
+        node = self.node
+        assert node is not None
+        if d.kind == "start":
+            node.step = d.step
+            for ch in node.channels:
+                ch.round = d.step // ch.period
+            # a joining life trains once it holds its shard (see take)
+            self.status = "training" if d.donor is None else "waiting"
+        elif d.round > node.round:
+            node.align(d.round)
+        self._release_held()
+
+    def _build(self, members: tuple[str, ...], topology: Any) -> None:
+        from torch import nn
+
+        class _Shard(nn.Module):
+            def __init__(self, flat: torch.Tensor) -> None:
+                super().__init__()
+                self.shard = nn.Parameter(flat, requires_grad=False)
+
+        rule, policies = build_rules(self.mixing, topology)
+        config = NodeConfig(steps=0, period=self.mixing.period, timeout=self.timeout, overlap=self.mixing.overlap,
+                            live_sends=True, release_wait=self.timeout)
+        node = Node(self.id, members, topology, None, rule, config, model=_Shard(self.shard), policies=policies)
+        node.state.rehome(into=self.shard)  # the node's flat state is the shard itself
+        node.fingerprint = self.fingerprint  # rank r's layout, not the one-parameter module's
+        node._good = None  # the group's optimizer steps, not the node: no NaN-guard copy of the shard
+        self.node = node
+
+    # -- what arrives ----------------------------------------------------------------------
+    def handle(self, msg: Message) -> None:
+        """A message for this rank: a neighbour's state, or a donor's shard."""
+        if msg.kind == "state":
+            node = self.node
+            if node is None or self.status != "training" or (msg.sender not in node.index_of
+                                                              and msg.round >= node.round):
+                # a joiner's first round, or a round before this life's start: held, a few
+                if len(self.held) < HELD:
+                    self.held.append(msg)
+                return
+            if not node.deliver(msg):
+                self._count("state")
+        elif msg.kind == "state-reply":
+            if self.status == "waiting" and len(self.replies) < 8:
+                self.replies.append(msg)
+            else:
+                self._count("unsolicited")
+        else:
+            self._count("kind")
+
+    def _release_held(self) -> None:
+        node = self.node
+        if not self.held or node is None or self.status != "training":
+            return
+        held, self.held = self.held, []
+        for msg in held:
+            if msg.sender in node.index_of or msg.round < node.round:
+                if not node.deliver(msg):
+                    self._count("state")
+            else:
+                self.held.append(msg)
+
+    def _count(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    # -- a joining life: this rank's shard from rank r of the donor -------------------------
+    def take(self, d: Decision) -> bool:
+        """Adopt the shard the donor of start decision ``d`` handed to this rank at
+        ``d.donor_round``; False if it has not arrived (rank 0 then asks again)."""
+        node = self.node
+        assert node is not None and d.donor is not None
+        donor = rank_address(d.donor, self.rank)
+        for reply in sorted(self.replies, key=lambda m: -m.round):
+            if reply.sender == donor and reply.round == d.donor_round and reply.data is not None \
+                    and reply.data.numel == node.handover_numel(reply.extra):
+                values = decode_payload(reply, node.state.flat)
+                if not all_finite(values):
+                    continue
+                node.adopt_handover(values, reply.extra)
+                self.took = {"from": donor, "round": reply.round, "step": reply.progress,
+                             "sha256": sha256_of(node.state.flat)}
+                self.replies.clear()
+                self.status = "training"
+                self._release_held()
+                return True
+        return False
+
+    def hand_over(self, joiners: Sequence[str]) -> list[tuple[str, Message]]:
+        """This rank's shard (and outer momentum) for rank r of each joiner, after a round's mix."""
+        node = self.node
+        assert node is not None
+        values, extra = node.handover()
+        out = []
+        for joiner in joiners:
+            msg = Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(values.cpu()),
+                          node.rule.weight, {"inc": 0, **extra}, self.fingerprint)
+            dst = rank_address(joiner, self.rank)
+            out.append((dst, msg))
+            self.handed.append({"to": dst, "round": node.round, "step": node.step, "sha256": sha256_of(values)})
+        return out
+
+    def awaited_dead(self, dead: set[str]) -> bool:
+        """Whether every neighbour the node waits for belongs to a member rank 0 holds dead."""
+        node = self.node
+        if node is None or node.waiting is None:
+            return False
+        awaited = node.awaited()
+        return bool(awaited) and all(group_of(a, self.rank) in dead for a in awaited)

@@ -1,0 +1,89 @@
+"""A group's own channel between its ranks, over torchrun's store (:class:`~gossip.protocol.group.GroupLink`).
+
+Rank 0 publishes each decision under its number; the other ranks wait on that
+key. Nothing waits in a collective: while rank 0 alone waits (discovery, a
+join), the other ranks wait on the store with no collective timeout running,
+and see everything rank 0 published, in order, once it does. Keys live under a
+prefix of the group's life (``TORCHELASTIC_RESTART_COUNT``), so a group restarted
+by torchrun never reads a dead life's decisions; old decisions are deleted as
+the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Sequence
+
+from gossip.protocol.group import Decision
+
+__all__ = ["StoreLink", "KEEP"]
+
+KEEP = 64  # decisions kept in the store behind the newest (the ranks read each long before)
+
+
+class StoreLink:
+    """The group's channel over a ``torch.distributed`` store.
+
+    Parameters
+    ----------
+    store : a ``torch.distributed.Store`` every rank of the group reaches (torchrun's)
+    rank, size : this rank and the group's size
+    """
+
+    def __init__(self, store: Any, rank: int, size: int) -> None:
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self._lock = threading.Lock()  # rank 0's main thread and its I/O thread both publish
+
+    def _wait(self, keys: list[str], timeout: float) -> bool:
+        """Whether every key of ``keys`` exists within ``timeout`` seconds (looked at with
+        ``check``, backing off from 0.5 ms to 20 ms: the store's own blocking wait logs a
+        warning at each of its timeouts)."""
+        deadline = time.monotonic() + timeout
+        pause = 0.0005
+        while not self.store.check(keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 0.02)
+        return True
+
+    def publish(self, decision: Decision) -> None:
+        with self._lock:
+            self.store.set(f"d/{decision.seq}", decision.to_json())
+            if decision.seq > KEEP:
+                self.store.delete_key(f"d/{decision.seq - KEEP}")
+
+    def next(self, seq: int, timeout: float) -> Decision | None:
+        key = f"d/{seq}"
+        if not self._wait([key], timeout):
+            return None
+        return Decision.from_json(self.store.get(key))
+
+    def ack(self, seq: int, ok: bool) -> None:
+        self.store.set(f"a/{seq}/{self.rank}", "1" if ok else "0")
+
+    def acks(self, seq: int, timeout: float) -> list[bool] | None:
+        keys = [f"a/{seq}/{r}" for r in range(1, self.size)]
+        if not keys:
+            return []
+        if not self._wait(keys, timeout):
+            return None
+        return [self.store.get(k) == b"1" for k in keys]
+
+    def publish_dead(self, ids: Sequence[str]) -> None:
+        with self._lock:
+            self.store.set("dead", json.dumps(sorted(ids)))
+
+    def dead(self) -> set[str]:
+        if not self.store.check(["dead"]):
+            return set()
+        try:
+            out = json.loads(self.store.get("dead"))
+        except ValueError:
+            return set()
+        return {x for x in out if isinstance(x, str)} if isinstance(out, list) else set()
