@@ -490,7 +490,9 @@ def node_main(argv: Sequence[str] | None = None) -> int:
                              "(or start the node with torchrun --nproc-per-node K -m gossip.node)")
         if args.nproc_per_node > 1:  # checked here, once: the launcher would restart a bad worker
             from gossip.node import launch
+            from gossip.training.tasks import get_task
 
+            get_task(cfg.task)  # a bad task spec, before any worker starts
             return launch(argv, args.nproc_per_node, args.max_restarts)
         setup_logging(args.verbose, cfg.node_id)
         if args.threads:

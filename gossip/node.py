@@ -19,6 +19,7 @@ steps are the group's own collectives (DDP or FSDP).
 from __future__ import annotations
 
 import logging
+import signal
 import math
 import sys
 import time
@@ -40,16 +41,29 @@ log = logging.getLogger("gossip.group")
 def launch(argv: Sequence[str], nproc: int, max_restarts: int) -> int:
     """Start torchrun's elastic launcher with ``nproc`` workers running this module on ``argv``;
     returns the launcher's exit status (0: every worker finished)."""
-    from torch.distributed.run import get_args_parser, run
+    import uuid
 
-    args = get_args_parser().parse_args([
-        "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "--standalone",
-        "--monitor-interval", "0.5", "-m", "gossip.node", *argv])
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+                          monitor_interval=0.5, start_method="spawn")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
-        run(args)
+        elastic_launch(config, sys.executable)("-u", "-m", "gossip.node", *argv)
+    except SignalException as e:
+        if e.sigval in (signal.SIGTERM, signal.SIGINT):
+            # the launcher passed the signal on to its workers, and waited for them: rank 0
+            # stopped the group at its next exchange, with a final checkpoint and a goodbye
+            return 0
+        print(f"gossip-node: the group's launcher got signal {int(e.sigval)}", file=sys.stderr)
+        return 1
     except Exception as e:  # ChildFailedError: a worker failed for good (after its restarts)
-        print(f"gossip-node: the group failed: {str(e).strip().splitlines()[0] if str(e).strip() else e}",
-              file=sys.stderr)
+        failures = getattr(e, "failures", None) or {}
+        why = ", ".join(f"rank {r} exited with {f.exitcode}" for r, f in sorted(failures.items())) or \
+            type(e).__name__
+        print(f"gossip-node: the group failed ({why}; their errors are above)", file=sys.stderr)
         return 1
     return 0
 

@@ -35,8 +35,18 @@ from gossip.core.message import Message
 from gossip.peer.driver import Peer
 from gossip.protocol.config import PeerConfig
 from gossip.protocol.errors import PeerError
-from gossip.protocol.group import Decision, GroupLink, ShardFollower
+from gossip.protocol.group import (
+    Decision,
+    GroupLink,
+    News,
+    ShardFollower,
+    group_of,
+    rank_address,
+)
 from gossip.transport import wire
+from gossip.transport.addresses import parse_address
+from gossip.transport.links import SimNetwork, emulated_links
+from gossip.transport.security import load_curve
 from gossip.transport.zmq import ZmqTransport
 
 __all__ = ["GroupLeader", "GroupFollower", "Start", "WAIT_FOREVER"]
@@ -44,7 +54,8 @@ __all__ = ["GroupLeader", "GroupFollower", "Start", "WAIT_FOREVER"]
 log = logging.getLogger("gossip.group")
 
 WAIT_FOREVER = 10 ** 9  # seconds: a follower waits as long as rank 0 does (its discovery, its joins)
-LISTEN = 1.0  # seconds a follower waits for a decision before looking at its transport again
+LISTEN = 0.2  # seconds a follower waits for a decision before looking at its transport and rank 0's news
+NEWS_EVERY = 0.2  # seconds between a training follower's looks at rank 0's news (more often while it waits)
 POLL = 0.05  # seconds between a waiting follower's looks at its inbound messages and rank 0's dead
 
 
@@ -83,13 +94,18 @@ class GroupLeader:
         self.size = size
         self.peer = Peer(cfg, model=_Shard(shard), fingerprint=fingerprint)
         self.life = self.peer.life
-        self.life.group_size = size  # state requests wait for the group's next exchange
+        self.life.group_size = size  # every rank hands its shard to a joiner at once (see _state_request)
         self.life.on_node = self._on_node
+        self.life.on_state_request = self._state_request
         self.peer.on_tick = self._publish_alive
         self.seq = 0
         self.stopped = False
         self.resumed: tuple[str, dict] | None = None  # (path, state) of the group checkpoint resumed from
         self._alive_version = -1
+        self._dead: tuple[str, ...] = ()
+        self._known: tuple[tuple[str, int], ...] = ()
+        self._mid: list[tuple[int, str, int, int]] = []  # hand-overs in the middle of a round (News)
+        self._mid_number = 0
 
     def __enter__(self) -> "GroupLeader":
         return self
@@ -139,14 +155,38 @@ class GroupLeader:
             if version == self._alive_version:
                 return
             self._alive_version = version
-            alive = sorted(self.life.membership.members)
-        self.link.publish_dead([m for m in (self.node.members if self.node is not None else ()) if m not in alive])
+            table = self.life.membership.members
+            node = self.node
+            self._dead = tuple(m for m in (node.members if node is not None else ()) if m not in table)
+            self._known = tuple((m, x.incarnation) for m, x in sorted(table.items()) if m != self.id)
+            news = News(self._dead, tuple(self._mid), self._known)
+        self.link.publish_news(news)
 
-    def _members(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    def _state_request(self, joiner: str) -> None:
+        """A joiner asks for the state (the training thread, as the request is handled). Between
+        rounds it waits for the next decision; in the middle of a round, which may wait for
+        this very joiner (its first round), every rank hands over its shard of the round now."""
+        node = self.node
+        if node is None or node.waiting is None:
+            if joiner not in self.life.handovers:
+                self.life.handovers.append(joiner)
+            return
+        self._hand_over(joiner)
+        with self.life.lock:
+            self._mid_number += 1
+            self._mid = [*self._mid[-7:], (self._mid_number, joiner, node.waiting[1], node.step)]
+            news = News(self._dead, tuple(self._mid), self._known)
+        self.link.publish_news(news)
+
+    def _members(self) -> dict[str, tuple]:
+        """The node's members as a decision carries them: ids, labels and lives."""
         node = self.node
         with self.life.lock:
-            dcs = tuple(self.life.membership.label(m) or self.life.dcs.get(m, "") for m in node.members)
-        return tuple(node.members), dcs
+            m = self.life.membership
+            dcs = tuple(m.label(x) or self.life.dcs.get(x, "") for x in node.members)
+            lives = tuple(self.life.incarnation if x == self.id else (m.life_of(x) or m.lives.get(x) or 0)
+                          for x in node.members)
+        return {"members": tuple(node.members), "dcs": dcs, "lives": lives}
 
     # -- the start of a life ---------------------------------------------------------------------
     def start(self) -> Start:
@@ -170,14 +210,14 @@ class GroupLeader:
         """Publish this life's start; a joining life waits until every rank holds its shard
         from the same donor round (asking the donor again while one is missing)."""
         node = self.node
-        members, dcs = self._members()
+        members = self._members()
         joining = self.life.joining
-        rank, world = self.life.rank or 0, self.life.world_size or len(members)
+        rank, world = self.life.rank or 0, self.life.world_size or len(members["members"])
         while True:
             donor = joining.took_from
-            d = self._publish("start", round=node.round, step=node.step, members=members, dcs=dcs,
+            d = self._publish("start", round=node.round, step=node.step, **members,
                               donor=donor[0] if donor else None, donor_round=donor[1] if donor else -1,
-                              rank=rank, world=world)
+                              rank=rank, world=world, origin=self.peer.t0)
             if donor is None:
                 break
             acks = self.link.acks(d.seq, WAIT_FOREVER)
@@ -219,13 +259,12 @@ class GroupLeader:
             self._first, self._started = self.node.step, peer.clock()
             return True
         life.apply_members()
-        members, dcs = self._members()
-        joiners = tuple(j for j in life.take_handovers() if j not in members)
-        self._publish("round", round=node.round, step=step, members=members, dcs=dcs, handover=joiners)
+        joiners = tuple(life.take_handovers())
+        self._publish("round", round=node.round, step=step, **self._members(), handover=joiners)
+        for j in joiners:  # before the round: the joiner's first round may be this one, which waits for it
+            self._hand_over(j)
         for ch in due:
             peer._run(life.exchange(ch))
-        for j in joiners:
-            self._hand_over(j)
         return True
 
     def _account(self) -> None:
@@ -294,19 +333,26 @@ class GroupFollower:
                                       topology=cfg.topology, timeout=cfg.timeout, seed=cfg.seed)
         self.id = self.follower.id
         self.inbound: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self.clock = time.monotonic
+        self.t0 = self.clock()
+        self.dcs: dict[str, str] = {}  # member -> its datacenter label, from rank 0's decisions
         shard_bytes = shard.numel() * shard.element_size()
-        host = cfg.listen.replace("tcp://", "").rpartition(":")[0]
+        host = parse_address(cfg.listen, "--listen").rpartition(":")[0]
+        links = emulated_links(cfg.emulate)  # the same emulated links as rank 0's, from the same start
+        self.shaper = None if links is None else SimNetwork(links, self._link_class, seed=cfg.seed + rank,
+                                                             origin=self.t0, cache_classes=False)
+        # CurveZMQ: this rank's own key pair (gossip-keys for every rank's address)
+        self.security = load_curve(cfg.curve_keys, self.id) if cfg.curve_keys else None
         self.transport = ZmqTransport(self.id, f"tcp://{host}:{self.id.rpartition(':')[2]}",
-                                      on_frames=self._on_frames, max_message_size=3 * shard_bytes + 2**20)
+                                      on_frames=self._on_frames, max_message_size=3 * shard_bytes + 2**20,
+                                      shaper=self.shaper, curve=self.security)
         self.seq = 0
         self.stopped = False
         self.exited = False
-        self.clock = time.monotonic
-        self.t0 = self.clock()
         self.rejected: dict[str, int] = {}
         self.loss = math.nan
-        self._dead: set[str] = set()
-        self._dead_at = -1.0
+        self._news_at = -1.0
+        self.connected: dict[str, int] = {}  # rank-r address -> the life its connection was opened for
 
     def __enter__(self) -> "GroupFollower":
         return self
@@ -355,13 +401,15 @@ class GroupFollower:
                 return
 
     def _next(self) -> Decision:
-        """Rank 0's next decision (waiting as long as rank 0 takes, handling what arrives meanwhile)."""
+        """Rank 0's next decision (waiting as long as rank 0 takes, handling what arrives and
+        rank 0's news meanwhile)."""
         self.seq += 1
         while True:
             d = self.link.next(self.seq, LISTEN)
             if d is not None:
                 return d
             self._pump(0.0)
+            self._look()
 
     # -- the start of a life ---------------------------------------------------------------------
     def start(self) -> Start:
@@ -377,6 +425,10 @@ class GroupFollower:
             if d.kind != "start":
                 raise RuntimeError(f"{self.id}: expected rank 0's start, got {d.kind!r}")
             self.follower.apply(d)
+            self._learn(d)
+            if self.shaper is not None:  # the member's emulated links count from rank 0's start
+                self.shaper.origin = d.origin
+            self._connect(self._pairs(d))
             if d.donor is None:
                 break
             ok = self._take(d)
@@ -385,7 +437,6 @@ class GroupFollower:
             if nxt.kind == "go":  # every rank holds its shard of one donor round
                 break
             d = nxt  # a new start: rank 0 asked the donor again
-        self._connect(d)
         return Start(d.step, d.rank, d.world)
 
     def _take(self, d: Decision) -> bool:
@@ -396,20 +447,59 @@ class GroupFollower:
                 return True
         return self.follower.take(d)
 
-    def _connect(self, d: Decision) -> None:
-        """A hello to rank r of every member: each connection is up before any round's state uses it."""
+    def _link_class(self, u: str, v: str) -> str:
+        """intra or inter: whether the two ranks' groups carry different datacenter labels."""
+        own = self.cfg.dc
+        du = self.dcs.get(group_of(u, self.rank), own) if u != self.id else own
+        dv = self.dcs.get(group_of(v, self.rank), own) if v != self.id else own
+        return "inter" if du != dv else "intra"
+
+    def _learn(self, d: Decision) -> None:
+        for m, dc in zip(d.members, d.dcs):
+            if dc:
+                self.dcs[m] = dc
+
+    def _pairs(self, d: Decision) -> list[tuple[str, int]]:
+        """Rank r of each member of ``d``, with its member's life (0: not known)."""
+        return list(zip(self.follower.addresses(d.members), d.lives or [0] * len(d.members)))
+
+    def _connect(self, pairs: Any) -> None:
+        """A fresh connection and a hello to each ``(address, life)`` not yet connected for that
+        life (rank r of a member new to this rank, or of a member's new life): each is up
+        before any round sends state on it (state is not held for a connection that is not
+        up, and one that kept retrying an earlier life may reconnect only seconds later)."""
+        fresh = []
+        for a, life in pairs:
+            if a == self.id or (a in self.connected and (not life or self.connected[a] == life)):
+                continue
+            self.connected[a] = life
+            fresh.append(a)
+        if not fresh:
+            return
         hello = Message("hello", self.id, 0, 0, 0, None, None, {"group": self.cfg.node_id, "rank": self.rank},
                         self.follower.fingerprint)
         frames = wire.encode(hello)
-        for a in self.follower.members:
-            if a != self.id:
-                self.transport.send(a, frames, droppable=False)
+        for a in fresh:
+            self.transport.forget(a)
+            self.transport.send(a, frames, droppable=False)
+
+    def _look(self) -> News:
+        """Rank 0's news: connections to open, hand-overs to make now."""
+        news = self.link.news()
+        self._connect((rank_address(m, self.rank), life) for m, life in news.known)
+        for dst, msg in self.follower.news_handovers(news):
+            self.transport.send(dst, wire.encode(msg), droppable=False)
+        return news
 
     # -- training --------------------------------------------------------------------------------
     def step(self, step: int) -> bool:
         node = self.follower.node
         assert node is not None
         self._pump(0.0)
+        now = self.clock()
+        if now - self._news_at >= NEWS_EVERY:
+            self._look()
+            self._news_at = now
         node.step = step
         due = [ch for ch in node.channels if step % ch.period == 0]
         if not due:
@@ -424,14 +514,13 @@ class GroupFollower:
             return True
         if d.kind != "round":
             raise RuntimeError(f"{self.id}: expected rank 0's round decision, got {d.kind!r}")
-        new = [a for a in self.follower.addresses(d.members) if a not in self.follower.members]
         self.follower.apply(d)
-        if new:
-            self._connect(d)
+        self._learn(d)
+        self._connect(self._pairs(d))
+        for dst, msg in self.follower.hand_over(d.handover):  # before the round, as rank 0 does
+            self.transport.send(dst, wire.encode(msg), droppable=False)
         for ch in due:
             self._drive(node.exchange(ch))
-        for dst, msg in self.follower.hand_over(d.handover):
-            self.transport.send(dst, wire.encode(msg), droppable=False)
         return True
 
     def _drive(self, program: Any) -> None:
@@ -470,9 +559,9 @@ class GroupFollower:
                 self.follower.timed_out_rounds += 1
                 log.info("%s: round %d timed out waiting for %s", self.id, node.round, ", ".join(node.awaited()))
                 return
-            if now - self._dead_at >= POLL:
-                self._dead, self._dead_at = self.link.dead(), now
-                if self.follower.awaited_dead(self._dead):
+            if now - self._news_at >= POLL:
+                news, self._news_at = self._look(), now
+                if self.follower.awaited_dead(news.dead):
                     self.follower.skipped_waits += 1
                     return
             self._pump(min(POLL, deadline - now))

@@ -21,8 +21,9 @@ The decisions, numbered ``seq`` = 1, 2, ... within one life of the group:
     a new ``start`` (it asked the donor again) when one does not.
 ``round``
     an exchange: the round's members (every rank mixes with the same neighbours
-    in the same round) and the joiners to hand this round's shards to, after the
-    mix (rank r to rank r).
+    in the same round) and the joiners to hand the shards to, before the round
+    (rank r to rank r: a joiner's first round may be this one, and its members
+    wait for it).
 ``stop``
     training ends at this exchange (a signal, or the cluster told rank 0 so).
 ``life``
@@ -33,10 +34,12 @@ The decisions, numbered ``seq`` = 1, 2, ... within one life of the group:
 ``exit``
     the group is done: rank 0 has finished serving the others.
 
-Besides the decisions, rank 0 keeps the set of members it holds dead up to date
-on the link (:meth:`GroupLink.publish_dead`): a rank waiting for a neighbour's
-message of a round stops waiting once rank 0 holds that neighbour dead, as rank
-0's own wait does.
+Besides the decisions, rank 0 keeps its :class:`News` up to date on the link
+(:meth:`GroupLink.publish_news`), which a rank waiting in a round looks at: the
+members rank 0 holds dead (the rank stops waiting for them, as rank 0's own wait
+does), and the joiners to hand the shards to now, in the middle of the round (a
+joiner's state request that reached rank 0 while the round waited for that very
+joiner: every rank hands over its shard of the round, not mixed yet).
 
 Everything here is sans-IO: the follower yields the actions of
 :mod:`gossip.core.actions` (``Send``, ``Wait``, ``Release``) from the node
@@ -62,7 +65,7 @@ from gossip.mixing.settings import MixingSettings, build_rules
 from gossip.protocol.membership import topology_for
 from gossip.training.node import Node, NodeConfig
 
-__all__ = ["Decision", "DECISIONS", "GroupLink", "ShardFollower", "rank_address", "group_of"]
+__all__ = ["Decision", "DECISIONS", "News", "GroupLink", "ShardFollower", "rank_address", "group_of"]
 
 log = logging.getLogger("gossip.group")
 
@@ -106,27 +109,31 @@ class Decision:
     step: int = 0
     members: tuple[str, ...] = ()   # member ids (rank 0 addresses) in the order every member uses
     dcs: tuple[str, ...] = ()       # their datacenter labels ("" for none), for hierarchical graphs
-    handover: tuple[str, ...] = ()  # round: joiners to hand this round's shards to, after the mix
+    lives: tuple[int, ...] = ()     # their lives (incarnations; 0: not known): a new life numbers afresh
+    handover: tuple[str, ...] = ()  # round: joiners to hand the shards to, before this round
     donor: str | None = None        # start of a joining life: the member whose shards every rank takes ...
     donor_round: int = -1           # ... those handed over at this round
     rank: int = 0                   # start: the group's data shard (its index among the members) ...
     world: int = 1                  # ... of this many
+    origin: float = 0.0             # start: rank 0's start on the host's monotonic clock (--emulate's windows)
 
     def __post_init__(self) -> None:
         if self.kind not in DECISIONS:
             raise ValueError(f"decision kind must be one of {', '.join(DECISIONS)}, got {self.kind!r}")
+        if not isinstance(self.origin, (int, float)) or isinstance(self.origin, bool):
+            raise ValueError(f"decision origin must be a number, got {self.origin!r}")
         for name in ("seq", "round", "step", "rank", "world"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"decision {name} must be a non-negative integer, got {v!r}")
         object.__setattr__(self, "members", tuple(self.members))
         object.__setattr__(self, "dcs", tuple(self.dcs))
+        object.__setattr__(self, "lives", tuple(self.lives))
         object.__setattr__(self, "handover", tuple(self.handover))
         if self.dcs and len(self.dcs) != len(self.members):
             raise ValueError("a decision's labels go one per member")
-        if set(self.handover) & set(self.members):
-            both = sorted(set(self.handover) & set(self.members))
-            raise ValueError(f"a joiner handed the shards of a round is not a member of that round: {both}")
+        if self.lives and len(self.lives) != len(self.members):
+            raise ValueError("a decision's lives go one per member")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -145,7 +152,39 @@ class Decision:
             v = raw.get(name, [])
             if not isinstance(v, list) or not all(isinstance(e, str) for e in v):
                 raise ValueError(f"decision {name} must be a list of strings")
+        v = raw.get("lives", [])
+        if not isinstance(v, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in v):
+            raise ValueError("decision lives must be a list of integers")
         return cls(**raw)
+
+
+@dataclass(frozen=True)
+class News:
+    """What the other ranks need from rank 0 at once, not at the next decision: the members
+    rank 0 holds dead (a round's wait for them ends), the members it knows with their lives
+    (``known``: each rank opens its connection to rank r of a member, or of a member's new
+    life, as soon as rank 0 hears of it, long before a round sends state on it), and
+    hand-overs in the middle of a round (``(number, joiner, round, step)``: the shards of
+    ``round`` at local ``step``, before it is mixed)."""
+
+    dead: tuple[str, ...] = ()
+    handovers: tuple[tuple[int, str, int, int], ...] = ()
+    known: tuple[tuple[str, int], ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps({"dead": list(self.dead), "handovers": [list(h) for h in self.handovers],
+                           "known": [list(k) for k in self.known]})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "News":
+        try:
+            raw = json.loads(text)
+            dead = tuple(x for x in raw.get("dead", []) if isinstance(x, str))
+            handovers = tuple((int(n), str(j), int(r), int(s)) for n, j, r, s in raw.get("handovers", []))
+            known = tuple((str(m), int(life)) for m, life in raw.get("known", []))
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"news must be rank 0's JSON: {e}") from None
+        return cls(dead, handovers, known)
 
 
 class GroupLink(Protocol):
@@ -155,8 +194,8 @@ class GroupLink(Protocol):
     returns decision ``seq`` once published, or None after ``timeout`` seconds; ``ack(seq,
     ok)`` (rank r) and ``acks(seq, timeout)`` (rank 0: every other rank's, in rank order,
     or None after ``timeout``) answer a decision that asks for it (a joining life's
-    start); ``publish_dead(ids)`` (rank 0) and ``dead()`` (rank r) the members rank 0
-    holds dead now."""
+    start); ``publish_news(news)`` (rank 0) and ``news()`` (rank r): rank 0's current
+    :class:`News`."""
 
     def publish(self, decision: Decision) -> None: ...
 
@@ -166,9 +205,9 @@ class GroupLink(Protocol):
 
     def acks(self, seq: int, timeout: float) -> list[bool] | None: ...
 
-    def publish_dead(self, ids: Sequence[str]) -> None: ...
+    def publish_news(self, news: News) -> None: ...
 
-    def dead(self) -> set[str]: ...
+    def news(self) -> News: ...
 
 
 class ShardFollower:
@@ -198,6 +237,7 @@ class ShardFollower:
         self.seed = seed
         self.node: Node | None = None
         self.members: tuple[str, ...] = ()  # this rank's member list: rank r of each member group
+        self.lives: dict[str, int] = {}  # rank r address -> the life of its member that rank 0 last named
         self.status = "waiting"
         self.held: list[Message] = []  # state messages for members or rounds not applied yet
         self.replies: list[Message] = []  # state replies (a joining life's shards), a few
@@ -206,6 +246,7 @@ class ShardFollower:
         self.rejected: dict[str, int] = {}
         self.timed_out_rounds = 0
         self.skipped_waits = 0  # round waits ended because rank 0 holds the awaited dead
+        self.handovers_done: set[int] = set()  # mid-round hand-overs of rank 0's news, by number
 
     # -- what rank 0 decided ---------------------------------------------------------------
     def addresses(self, members: Sequence[str]) -> list[str]:
@@ -227,6 +268,11 @@ class ShardFollower:
         self.members = members
         node = self.node
         assert node is not None
+        for a, life in zip(members, d.lives):
+            if life and self.lives.get(a, life) != life:
+                node.forget_sender(a)  # a member's new life numbers its messages afresh
+            if life:
+                self.lives[a] = life
         if d.kind == "start":
             node.step = d.step
             for ch in node.channels:
@@ -309,11 +355,14 @@ class ShardFollower:
                 self.replies.clear()
                 self.status = "training"
                 self._release_held()
+                log.info("%s: took the shard of %s (round %d, step %d)", self.id, donor, reply.round, reply.progress)
                 return True
+        log.info("%s: no shard of round %d from %s among %s", self.id, d.donor_round, donor,
+                 [(m.sender, m.round) for m in self.replies] or "no replies")
         return False
 
     def hand_over(self, joiners: Sequence[str]) -> list[tuple[str, Message]]:
-        """This rank's shard (and outer momentum) for rank r of each joiner, after a round's mix."""
+        """This rank's shard (and outer momentum) for rank r of each joiner, before a round."""
         node = self.node
         assert node is not None
         values, extra = node.handover()
@@ -324,9 +373,28 @@ class ShardFollower:
             dst = rank_address(joiner, self.rank)
             out.append((dst, msg))
             self.handed.append({"to": dst, "round": node.round, "step": node.step, "sha256": sha256_of(values)})
+            log.info("%s: hands its shard of round %d (step %d) to %s", self.id, node.round, node.step, dst)
         return out
 
-    def awaited_dead(self, dead: set[str]) -> bool:
+    def news_handovers(self, news: News) -> list[tuple[str, Message]]:
+        """The mid-round hand-overs of ``news`` this rank can make: its shard of the round it
+        waits in, not mixed yet (a hand-over of another round or step is left: the joiner's
+        other ranks then miss theirs too, and its rank 0 asks again)."""
+        node = self.node
+        out = []
+        for number, joiner, rnd, step in news.handovers:
+            if number in self.handovers_done:
+                continue
+            self.handovers_done.add(number)
+            if node is not None and node.waiting is not None and node.waiting[1] == rnd and node.step == step:
+                out += self.hand_over([joiner])
+            else:
+                log.info("%s: cannot hand %s the shard of round %d (step %d): this rank is at round %s, step %s",
+                         self.id, joiner, rnd, step, node.waiting[1] if node and node.waiting else None,
+                         node.step if node else None)
+        return out
+
+    def awaited_dead(self, dead: set[str] | tuple[str, ...]) -> bool:
         """Whether every neighbour the node waits for belongs to a member rank 0 holds dead."""
         node = self.node
         if node is None or node.waiting is None:

@@ -155,7 +155,7 @@ class Joining:
                                          {"inc": life.incarnation}, life.fingerprint))
         now = yield POLL0
         # a group hands its state over at its next exchange, which may be a while
-        deadline = now + max(2.0, cfg.timeout) * (1 if life.group_size == 1 else 3)
+        deadline = now + max(2.0, cfg.timeout) * (1 if life.group_size == 1 else 1.5)
         while now < deadline and not any(r.sender == donor and r.round > after_round for r in self.replies):
             now = yield Poll(min(POLL, deadline - now))
         for reply in self.replies:

@@ -154,6 +154,8 @@ class Lifecycle:
         # group's next exchange, where every rank hands its shard over at once (take_handovers)
         self.group_size = 1
         self.handovers: list[str] = []
+        # a group's rank 0 may hand over at once instead (gossip.peer.group): called with the joiner
+        self.on_state_request: Callable[[str], None] | None = None
         self.joining = Joining(self)  # joins: the round, the state pulled, --resume
 
     # the join's outcome, as the reports read it
@@ -591,7 +593,9 @@ class Lifecycle:
             if node is None or self.status == "waiting":
                 return
             if self.group_size > 1:
-                if msg.sender not in self.handovers and len(self.handovers) < AHEAD:
+                if self.on_state_request is not None:
+                    self.on_state_request(str(msg.sender))
+                elif msg.sender not in self.handovers and len(self.handovers) < AHEAD:
                     self.handovers.append(str(msg.sender))
                 return
             self.send_message(msg.sender, self.state_reply(str(msg.sender)))

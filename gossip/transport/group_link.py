@@ -11,12 +11,11 @@ the run goes on.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any
 
-from gossip.protocol.group import Decision
+from gossip.protocol.group import Decision, News
 
 __all__ = ["StoreLink", "KEEP"]
 
@@ -75,15 +74,11 @@ class StoreLink:
             return None
         return [self.store.get(k) == b"1" for k in keys]
 
-    def publish_dead(self, ids: Sequence[str]) -> None:
+    def publish_news(self, news: News) -> None:
         with self._lock:
-            self.store.set("dead", json.dumps(sorted(ids)))
+            self.store.set("news", news.to_json())
 
-    def dead(self) -> set[str]:
-        if not self.store.check(["dead"]):
-            return set()
-        try:
-            out = json.loads(self.store.get("dead"))
-        except ValueError:
-            return set()
-        return {x for x in out if isinstance(x, str)} if isinstance(out, list) else set()
+    def news(self) -> News:
+        if not self.store.check(["news"]):
+            return News()
+        return News.from_json(self.store.get("news"))
