@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
+from torch import nn
 
 from gossip.compression import get_codec
 from gossip.core.message import Message
@@ -65,7 +66,8 @@ from gossip.mixing.settings import MixingSettings, build_rules
 from gossip.protocol.membership import topology_for
 from gossip.training.node import Node, NodeConfig
 
-__all__ = ["Decision", "DECISIONS", "News", "GroupLink", "ShardFollower", "rank_address", "group_of"]
+__all__ = ["Decision", "DECISIONS", "News", "GroupLink", "ShardFollower", "ShardModule", "bind_shard", "rank_address",
+           "group_of"]
 
 log = logging.getLogger("gossip.group")
 
@@ -210,6 +212,22 @@ class GroupLink(Protocol):
     def news(self) -> News: ...
 
 
+class ShardModule(nn.Module):
+    """A shard as a one-parameter module, so a node can take it as its model."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        super().__init__()
+        self.shard = nn.Parameter(flat, requires_grad=False)
+
+
+def bind_shard(node: Node, shard: torch.Tensor, fingerprint: str) -> None:
+    """Make ``node`` (built over a :class:`ShardModule`) mix ``shard`` itself, as rank r's
+    layout ``fingerprint``. The group's optimizer steps, not the node: no NaN-guard copy."""
+    node.state.rehome(into=shard)
+    node.fingerprint = fingerprint
+    node._good = None
+
+
 class ShardFollower:
     """Rank ``rank`` (> 0) of a group: a node over its own shard, told what to do by rank 0.
 
@@ -247,6 +265,7 @@ class ShardFollower:
         self.timed_out_rounds = 0
         self.skipped_waits = 0  # round waits ended because rank 0 holds the awaited dead
         self.handovers_done: set[int] = set()  # mid-round hand-overs of rank 0's news, by number
+        self.on_node: Any = None  # on_node(node) when a node is built (the simulator's audit)
 
     # -- what rank 0 decided ---------------------------------------------------------------
     def addresses(self, members: Sequence[str]) -> list[str]:
@@ -284,21 +303,14 @@ class ShardFollower:
         self._release_held()
 
     def _build(self, members: tuple[str, ...], topology: Any) -> None:
-        from torch import nn
-
-        class _Shard(nn.Module):
-            def __init__(self, flat: torch.Tensor) -> None:
-                super().__init__()
-                self.shard = nn.Parameter(flat, requires_grad=False)
-
         rule, policies = build_rules(self.mixing, topology)
         config = NodeConfig(steps=0, period=self.mixing.period, timeout=self.timeout, overlap=self.mixing.overlap,
                             live_sends=True, release_wait=self.timeout)
-        node = Node(self.id, members, topology, None, rule, config, model=_Shard(self.shard), policies=policies)
-        node.state.rehome(into=self.shard)  # the node's flat state is the shard itself
-        node.fingerprint = self.fingerprint  # rank r's layout, not the one-parameter module's
-        node._good = None  # the group's optimizer steps, not the node: no NaN-guard copy of the shard
+        node = Node(self.id, members, topology, None, rule, config, model=ShardModule(self.shard), policies=policies)
+        bind_shard(node, self.shard, self.fingerprint)
         self.node = node
+        if self.on_node is not None:
+            self.on_node(node)
 
     # -- what arrives ----------------------------------------------------------------------
     def handle(self, msg: Message) -> None:
