@@ -273,7 +273,7 @@ NODE_FLAGS = {
     "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": (float, str),
     "threads": int, "emulate": list, "curve_keys": str, "peers_file": str, "slurm": bool, "slurm_port": int,
     "progress": bool, "tensorboard": str, "clip": (float, str), "asynchronous": bool, "staleness": str, "overlap": bool, "link_policy": list,
-    "outer": str, "detector": str, "nproc_per_node": int, "intra": str, "max_restarts": int,
+    "outer": str, "detector": str, "nproc_per_node": int, "intra": str, "max_restarts": int, "as_group": int,
 }
 INTRA = ("ddp", "fsdp")  # inside a group of --nproc-per-node processes (gossip.groups.group)
 
@@ -341,6 +341,10 @@ def build_node_parser() -> argparse.ArgumentParser:
     p.add_argument("--intra", choices=INTRA, default="ddp",
                    help="inside a group: ddp (a replica per rank, gradients all-reduced) or fsdp (fully_shard: "
                         "the model only has to fit across the group) (default: %(default)s)")
+    p.add_argument("--as-group", type=_positive_int("--as-group"), default=1, metavar="K",
+                   help="gossip as a DDP group of K ranks from this one process, to train in a cluster of such "
+                        "groups (gossip-node --nproc-per-node K --intra ddp): the model in K slices, slice r "
+                        "exchanged at the --listen port + r (default: 1)")
     p.add_argument("--max-restarts", type=_nonneg_int("--max-restarts"), default=0, metavar="N",
                    help="with --nproc-per-node: start the group again this many times after a rank dies; each "
                         "start is a new life that rejoins the cluster (default: 0)")
@@ -451,8 +455,18 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
     args.threads = merged.get("threads")
     args.verbose = merged.get("verbose") or 0
     args.nproc_per_node, args.intra, args.max_restarts = merged["nproc_per_node"], merged["intra"], merged["max_restarts"]
+    args.as_group = merged["as_group"]
     if args.intra not in INTRA:
         raise ValueError(f"--intra must be one of {', '.join(INTRA)}, got {args.intra!r}")
+    if args.as_group > 1 and args.nproc_per_node > 1:
+        raise ValueError("--as-group K is one process gossiping as a group of K; --nproc-per-node K starts K "
+                         "processes: give one of them")
+    if args.as_group > 1 and args.intra != "ddp":
+        raise ValueError("--as-group K gossips in the layout of a DDP group (--intra ddp): an FSDP group's "
+                         "shards follow its wrapped modules, which one process does not have")
+    if args.as_group > 1 and (cfg.checkpoint_dir or cfg.resume):
+        raise ValueError("--as-group does not write or read checkpoints yet: leave out --checkpoint-dir and "
+                         "--resume (a restarted node takes the cluster's state when it joins)")
     if args.max_restarts and args.nproc_per_node == 1:
         raise ValueError("--max-restarts goes with --nproc-per-node K (a group restarted by its launcher)")
     return cfg, args
@@ -489,11 +503,13 @@ def node_main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--intra fsdp shards the model over a group's ranks: give --nproc-per-node K "
                              "(or start the node with torchrun --nproc-per-node K -m gossip.node)")
         if args.nproc_per_node > 1:  # checked here, once: the launcher would restart a bad worker
-            from gossip.node import launch
+            from gossip.groups.run import launch
             from gossip.training.tasks import get_task
 
             get_task(cfg.task)  # a bad task spec, before any worker starts
             return launch(argv, args.nproc_per_node, args.max_restarts)
+        if args.as_group > 1:
+            return _slices(cfg, args)
         setup_logging(args.verbose, cfg.node_id)
         if args.threads:
             import torch
@@ -539,7 +555,7 @@ def _group_worker(cfg: Any, args: argparse.Namespace, env: Any) -> int:
     import signal
 
     from gossip.groups.group import GroupError
-    from gossip.node import run_group
+    from gossip.groups.run import run_group
     from gossip.protocol.errors import PeerError
     from gossip.transport.zmq import BindError
 
@@ -582,6 +598,52 @@ def _group_worker(cfg: Any, args: argparse.Namespace, env: Any) -> int:
         else:
             print(f"{summary['node']}: a group of {summary['group_size']}, {summary['steps']} steps, accuracy "
                   f"{summary.get('final_accuracy')}, {summary['bytes_sent'] / 1e6:.2f} MB sent by rank 0")
+    return 0
+
+
+def _slices(cfg: Any, args: argparse.Namespace) -> int:
+    """One process gossiping as a DDP group of ``--as-group K`` (gossip.groups.run.run_slices)."""
+    import signal
+
+    from gossip.groups.run import run_slices
+    from gossip.protocol.errors import PeerError
+    from gossip.transport.zmq import BindError
+
+    setup_logging(args.verbose, cfg.node_id)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    holder: dict[str, Any] = {}
+
+    def on_leader(leader: Any) -> None:
+        holder["leader"] = leader
+        holder["bar"] = _progress_bar(leader.peer, args.progress)
+
+    def stop(signum: int, frame: Any) -> None:
+        leader = holder.get("leader")
+        if leader is None:
+            raise KeyboardInterrupt
+        if leader.peer.stop.is_set():
+            raise KeyboardInterrupt
+        logging.getLogger("gossip.node").warning("%s: signal %d: finishing at the next exchange", cfg.node_id,
+                                                 signum)
+        leader.peer.request_stop()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        summary = run_slices(cfg, args.as_group, on_leader=on_leader)
+    except (BindError, PeerError) as e:
+        return _fail("gossip-node", str(e))
+    finally:
+        if holder.get("bar") is not None:
+            holder["bar"].close()
+    if args.json:
+        print(json.dumps(summary, default=_json_default), flush=True)
+    else:
+        print(f"{summary['node']}: one process as a group of {summary['group_size']}, {summary['steps']} steps, "
+              f"accuracy {summary.get('final_accuracy')}, {summary['bytes_sent'] / 1e6:.2f} MB sent by slice 0")
     return 0
 
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from gossip.core.state import FlatState
 from gossip.training.shards import FsdpShards, ReplicaSlice, ShardView
-from gossip.transport.group_link import StoreLink
+from gossip.groups.link import StoreLink
 from gossip.training.node import resolve_device
 
 __all__ = ["INTRA", "GroupEnv", "GroupError", "Group", "ShardView", "FsdpShards", "ReplicaSlice", "group_env",

@@ -257,6 +257,7 @@ class ShardFollower:
         self.members: tuple[str, ...] = ()  # this rank's member list: rank r of each member group
         self.lives: dict[str, int] = {}  # rank r address -> the life of its member that rank 0 last named
         self.status = "waiting"
+        self.joining = False  # from a joining life's start to its go: state replies are wanted
         self.held: list[Message] = []  # state messages for members or rounds not applied yet
         self.replies: list[Message] = []  # state replies (a joining life's shards), a few
         self.handed: list[dict[str, Any]] = []  # shards handed to joiners: to, round, step, sha256
@@ -296,8 +297,10 @@ class ShardFollower:
             node.step = d.step
             for ch in node.channels:
                 ch.round = d.step // ch.period
-            # a joining life trains once it holds its shard (see take)
+            # a joining life trains once it holds its shard (see take), and takes a later one
+            # while rank 0 asks the donor again, until its go (see begin)
             self.status = "training" if d.donor is None else "waiting"
+            self.joining = d.donor is not None
         elif d.round > node.round:
             node.align(d.round)
         self._release_held()
@@ -326,7 +329,7 @@ class ShardFollower:
             if not node.deliver(msg):
                 self._count("state")
         elif msg.kind == "state-reply":
-            if self.status == "waiting" and len(self.replies) < 8:
+            if (self.status == "waiting" or self.joining) and len(self.replies) < 8:
                 self.replies.append(msg)
             else:
                 self._count("unsolicited")
@@ -372,6 +375,16 @@ class ShardFollower:
         log.info("%s: no shard of round %d from %s among %s", self.id, d.donor_round, donor,
                  [(m.sender, m.round) for m in self.replies] or "no replies")
         return False
+
+    def begin(self) -> None:
+        """Train from here (a joining life's go, whether or not this rank took its shard)."""
+        self.joining = False
+        self.replies.clear()
+        if self.status != "training":
+            log.warning("%s: no shard from the donor; training on with this rank's own", self.id)
+            self.status = "training"
+            self.replies.clear()
+            self._release_held()
 
     def hand_over(self, joiners: Sequence[str]) -> list[tuple[str, Message]]:
         """This rank's shard (and outer momentum) for rank r of each joiner, before a round."""

@@ -44,12 +44,13 @@ class Joining:
         self.resumed_from: str | None = None
         self.took: tuple[str, str] | None = None  # (donor, sha256) with life.audit
         self.took_from: tuple[str, int] | None = None  # (donor, round of its state) this life adopted
+        self.asking = False  # waiting for a reply it asked for (a group asks again after its start: see pull_again)
 
     def offer(self, msg: Message) -> bool:
         """A state reply arrived; False if nobody asked for it."""
         life = self.life
-        if life.node is not None and life.status == "waiting" and msg.fingerprint == life.fingerprint \
-                and len(self.replies) < 8:
+        if life.node is not None and (life.status == "waiting" or self.asking) \
+                and msg.fingerprint == life.fingerprint and len(self.replies) < 8:
             self.replies.append(msg)
             return True
         return False
@@ -135,14 +136,26 @@ class Joining:
         log.warning("%s: no member sent its state; joining with a fresh model", life.id)
 
     def pull_again(self, donor: str, after_round: int) -> Program:
-        """Ask ``donor`` for its state again (a group whose other ranks missed their shards of
-        round ``after_round``: the donor's ranks hand theirs over anew, at a later round)."""
-        node = self.life.node
+        """Ask for the state again (a group whose other ranks missed their shards of round
+        ``after_round``: the donor's ranks hand theirs over anew, at a later round): ``donor``
+        twice, then the other members that train (the donor may have died, stalled, or
+        started a new life). Returns whether one came."""
+        life = self.life
+        node = life.node
         assert node is not None
-        for _ in range(6):
-            if (yield from self._ask(donor, node.round, after_round)):
-                return
-        raise PeerError(f"{donor} sent no state again after round {after_round}")
+        for attempt in range(6):
+            who = donor
+            if attempt >= 2:
+                with life.lock:
+                    table = life.membership.members
+                    others = [m for m in node.members if m not in (life.id, donor) and m in table
+                              and table[m].status in ("training", "done")]
+                who = others[attempt % len(others)] if others else donor
+            if (yield from self._ask(who, node.round, after_round)):
+                return True
+        log.warning("%s: no member sent its state again after round %d; the ranks that missed their shard keep "
+                    "their own (the mixing brings them to the cluster's)", life.id, after_round)
+        return False
 
     def _ask(self, donor: str, start_round: int, after_round: int) -> Program:
         """Ask ``donor`` for its state and adopt a reply of a round after ``after_round``;
@@ -153,11 +166,15 @@ class Joining:
         self.replies.clear()
         life.send_message(donor, Message("state-request", life.id, start_round, 0, 0, None, None,
                                          {"inc": life.incarnation}, life.fingerprint))
-        now = yield POLL0
-        # a group hands its state over at its next exchange, which may be a while
-        deadline = now + max(2.0, cfg.timeout) * (1 if life.group_size == 1 else 1.5)
-        while now < deadline and not any(r.sender == donor and r.round > after_round for r in self.replies):
-            now = yield Poll(min(POLL, deadline - now))
+        self.asking = True
+        try:
+            now = yield POLL0
+            # a group hands its state over at its next exchange, which may be a while
+            deadline = now + max(2.0, cfg.timeout) * (1 if life.group_size == 1 else 1.5)
+            while now < deadline and not any(r.sender == donor and r.round > after_round for r in self.replies):
+                now = yield Poll(min(POLL, deadline - now))
+        finally:
+            self.asking = False
         for reply in self.replies:
             if reply.sender == donor and reply.round > after_round and reply.data is not None \
                     and reply.data.numel == node.handover_numel(reply.extra):

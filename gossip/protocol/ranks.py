@@ -196,7 +196,9 @@ class GroupLead:
                 break
             log.warning("%s: rank(s) %s of the group did not get their shard of round %d from %s; asking again",
                         self.id, ", ".join(str(r + 1) for r, ok in enumerate(acks) if not ok), donor[1], donor[0])
-            yield from joining.pull_again(donor[0], donor[1])
+            if not (yield from joining.pull_again(donor[0], donor[1])):
+                self.publish("go", round=node.round, step=node.step)  # (each rank trains with what it holds)
+                break
         return Start(node.step, rank, world)
 
     # -- training --------------------------------------------------------------------------------
@@ -388,7 +390,8 @@ class GroupFollow:
             ok = yield from self._take(d)
             self.link.ack(d.seq, ok)
             nxt = yield from self.next()
-            if nxt.kind == "go":  # every rank holds its shard of one donor round
+            if nxt.kind == "go":  # every rank holds its shard of one donor round (or rank 0 gave up asking)
+                self.f.begin()
                 break
             d = nxt  # a new start: rank 0 asked the donor again
         return Start(d.step, d.rank, d.world)

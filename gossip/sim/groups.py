@@ -160,7 +160,7 @@ class SimGroup:
 
 
 def lead_program(lead: GroupLead, group: SimGroup, steps: int, origin: float) -> Program:
-    """Rank 0's whole run, as a real group's training loop runs it (gossip.node)."""
+    """Rank 0's whole run, as a real group's training loop runs it (gossip.groups.run)."""
     start = yield from lead.start(origin=origin)
     if start is None:
         return False

@@ -102,6 +102,36 @@ def test_three_fsdp_groups_started_with_gossip_node_match_single_nodes_on_the_sa
 
 
 @pytest.mark.slow
+def test_a_mixed_cluster_of_two_single_processes_and_a_ddp_group_trains_as_one(tmp_path):
+    """Two single processes (``--as-group 2``: one process gossiping its model as the two
+    slices of a DDP group of 2) and one DDP group of 2, in a ring seeded as a chain: they
+    form one cluster and train together. Each single process trains on both slices' data
+    at once (DDP's gradient), so the group ends exactly where three single nodes on the
+    same schedule end: the group's parameters depend on the two others' at every round."""
+    k, n, steps, period = 2, 3, 31, 2
+    with Cluster(tmp_path) as c:
+        ports = [free_ports(k, consecutive=True)[0] for _ in range(n)]
+        nodes = []
+        for g in range(n):
+            args = _args(f"127.0.0.1:{ports[(g + 1) % n]}", steps, "--period", str(period))
+            if g == 0:
+                nodes.append(c.start("group", [*args, "--intra", "ddp", "--checkpoint-dir", str(tmp_path / "ck")],
+                                     port=ports[g], group=k))
+            else:
+                nodes.append(c.start(f"single{g}", [*args, "--as-group", str(k)], port=ports[g]))
+        for x in nodes:
+            assert x.wait(LIMIT) == 0, x.log()[-3000:]
+        summaries = [x.summary() for x in nodes]
+    for s in summaries:
+        assert s["group_size"] == k and s["steps"] == steps and s["members"] == n and s["timed_out_rounds"] == 0, s
+    assert summaries[1]["intra"] == "slices" and summaries[0]["intra"] == "ddp"
+    ids = sorted(x.addr for x in nodes)
+    ref = reference(n, k, steps, period)
+    got = full_params(tmp_path / "ck")
+    assert _max_diff(got, ref[ids.index(nodes[0].addr)]) < 1e-5
+
+
+@pytest.mark.slow
 def test_a_rank_killed_restarts_its_group_through_the_launcher_and_it_rejoins(tmp_path):
     """kill -9 of rank 1 of group B mid-run: torchrun (--max-restarts 1) starts B again, a
     new life that joins the cluster with every rank's shard from the same donor round;

@@ -81,8 +81,11 @@ def test_the_explorer_draws_groups_from_a_generator_of_their_own():
     assert all(f[1] not in ("rank-crash", "rank-stall") for s in drawn if s.group == 1 for f in s.faults)
 
 
-@pytest.mark.parametrize("seed", [5000021])
+@pytest.mark.parametrize("seed", [11000068])
 def test_explored_group_schedules_hold_every_invariant(seed, tmp_path):
+    """Found by the explorer: a rank of a joining group missed its shard (a lost message), and
+    rank 0's second ask could never succeed: its life already trained, so the reply was
+    refused as unsolicited, and a rank that had taken its shard refused the later round's."""
     s = explore.draw(seed)
     assert s.group > 1
     c = explore.run_schedule(s, str(tmp_path))

@@ -17,7 +17,7 @@ from typing import Any
 
 from gossip.protocol.group import Decision, News
 
-__all__ = ["StoreLink", "KEEP"]
+__all__ = ["StoreLink", "LocalLink", "KEEP"]
 
 KEEP = 64  # decisions kept in the store behind the newest (the ranks read each long before)
 
@@ -82,3 +82,58 @@ class StoreLink:
         if not self.store.check(["news"]):
             return News()
         return News.from_json(self.store.get("news"))
+
+
+class LocalLink:
+    """The group's channel between threads of one process (a node gossiping as a group of K
+    slices, ``gossip-node --as-group K``): the same :class:`~gossip.protocol.group.GroupLink`
+    as :class:`StoreLink`, over a condition variable. :meth:`rank` gives rank r's side."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.cond = threading.Condition()
+        self.decisions: dict[int, Decision] = {}
+        self.acked: dict[int, dict[int, bool]] = {}
+        self.latest = News()
+
+    def rank(self, r: int) -> "_LocalRank":
+        return _LocalRank(self, r)
+
+
+class _LocalRank:
+    def __init__(self, link: LocalLink, r: int) -> None:
+        self.shared, self.r = link, r
+
+    def publish(self, decision: Decision) -> None:
+        with self.shared.cond:
+            self.shared.decisions[decision.seq] = decision
+            self.shared.decisions.pop(decision.seq - KEEP, None)
+            self.shared.cond.notify_all()
+
+    def next(self, seq: int, timeout: float) -> Decision | None:
+        link = self.shared
+        with link.cond:
+            link.cond.wait_for(lambda: seq in link.decisions, timeout=max(0.0, timeout))
+            return link.decisions.get(seq)
+
+    def ack(self, seq: int, ok: bool) -> None:
+        with self.shared.cond:
+            self.shared.acked.setdefault(seq, {})[self.r] = ok
+            self.shared.cond.notify_all()
+
+    def acks(self, seq: int, timeout: float) -> list[bool] | None:
+        link = self.shared
+        with link.cond:
+            if not link.cond.wait_for(lambda: len(link.acked.get(seq, {})) >= link.size - 1, timeout=max(0.0, timeout)):
+                return None
+            got = link.acked[seq]
+            return [got[r] for r in range(1, link.size)]
+
+    def publish_news(self, news: News) -> None:
+        with self.shared.cond:
+            self.shared.latest = news
+            self.shared.cond.notify_all()
+
+    def news(self) -> News:
+        with self.shared.cond:
+            return self.shared.latest
