@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,15 @@ def save_group_checkpoint(directory: str | os.PathLike, step: int, group: Group,
     if group.rank == 0:
         torch.save({"step": step, "group_size": group.size, "intra": group.intra, "members": list(members or [])},
                    tmp / "group.pt")
-        os.replace(tmp, final)
+        if final.exists():  # this step again (the last step is also a --checkpoint-every step): the newer wins
+            old = final.with_name(final.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)  # (the name no longer counts: an older complete checkpoint is the latest now)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
     group.barrier()
     return final
 
@@ -98,14 +107,17 @@ def load_group_checkpoint(path: str | os.PathLike, group: Group, model: torch.nn
     if stream is not None and mine["stream"] is not None and hasattr(stream, "load_state_dict"):
         stream.load_state_dict(mine["stream"])
     return {"step": int(meta["step"]), "rules": mine["rules"], "rounds": mine["rounds"], "seq": int(mine["seq"]),
-            "members": list(meta.get("members") or [])}
+            "members": list(meta.get("members") or []), "stream": mine["stream"]}
 
 
-def restore_node(node: Node, state: dict[str, Any]) -> None:
+def restore_node(node: Node, state: dict[str, Any], stream: Any = None) -> None:
     """Give ``node`` back the mixing state of :func:`load_group_checkpoint` (its rules' state,
-    rounds, sequence number and step)."""
+    rounds, sequence number and step), and ``stream`` its data position when the stream
+    was made after the load (a group's stream depends on where the cluster placed it)."""
     for ch, rs, rnd in zip(node.channels, state["rules"], state["rounds"]):
         ch.rule.load_state_dict(rs)
         ch.round = int(rnd)
     node.seq = int(state["seq"])
     node.step = int(state["step"])
+    if stream is not None and state.get("stream") is not None and hasattr(stream, "load_state_dict"):
+        stream.load_state_dict(state["stream"])

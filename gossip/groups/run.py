@@ -96,7 +96,7 @@ def _run(cfg: PeerConfig, group: Group, on_leader: Any) -> dict[str, Any]:
         start = member.start()
         stream = task.stream(start.rank * k + r, start.world * k, cfg.split, cfg.seed, group.device)
         if resumed is not None and member.node.step <= resumed["step"] and not member.joined:
-            restore_node(member.node, resumed)  # a cluster restarted as a whole: this group's own state
+            restore_node(member.node, resumed, stream)  # a cluster restarted as a whole: this group's own state
         step = member.node.step
         view.after_mix()  # DDP: a joiner's slices taken, the replicas whole again
         every = cfg.eval_every or max(1, cfg.steps // 10)
