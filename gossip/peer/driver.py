@@ -378,6 +378,7 @@ class Peer:
         node = self.node
         return node.neighbor_distance() if node is not None else math.nan
 
-    def summary(self) -> dict[str, Any]:
-        """The final figures (``gossip-node --json``)."""
-        return self.report.summary(self.clock() - self.t0)
+    def summary(self, evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The final figures (``gossip-node --json``); ``evaluation``: the model's, when the
+        caller evaluated it (a group's whole model), else the task's of the node's own."""
+        return self.report.summary(self.clock() - self.t0, evaluation)

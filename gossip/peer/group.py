@@ -111,12 +111,13 @@ class GroupLeader:
         start = self.peer._run(self.lead.start(origin=self.peer.t0))
         if start is None:
             raise PeerError("stopped before training started")
-        self.peer.report.start_training(self.peer.clock() - self.peer.t0)
+        self.peer.report.start_training(self.peer.clock() - self.peer.t0, evaluate=False)  # (see record)
         return start
 
     def step(self, step: int) -> bool:
         """After local step ``step`` of every rank: see :meth:`GroupLead.after_step`."""
-        self.peer._after_compute()
+        if self.peer.on_step is not None:  # the progress bar (the group's loop records its evaluations)
+            self.peer.on_step(self.peer)
         return self.peer._run(self.lead.after_step(step))
 
     def complete_pending(self) -> None:
@@ -131,10 +132,8 @@ class GroupLeader:
         self.peer._run(self.lead.finish())
 
     def summary(self, evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
-        out = self.peer.summary()
+        out = self.peer.summary(evaluation)
         out.update(group_size=self.size, rank=0, resumed_from=self.resumed[0] if self.resumed else out["resumed_from"])
-        if evaluation:
-            out.update(final_loss=evaluation.get("loss"), final_accuracy=evaluation.get("accuracy"))
         return out
 
 

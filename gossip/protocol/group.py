@@ -98,7 +98,13 @@ def group_of(address: str, rank: int) -> str:
     >>> group_of("10.0.0.5:6003", 3)
     '10.0.0.5:6000'
     """
-    return rank_address(address, -rank)
+    host, sep, port = str(address).rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"a rank's address must be HOST:PORT, got {address!r}")
+    if not 0 < int(port) - rank < 65536:
+        raise ValueError(f"{address!r} cannot be rank {rank}'s address: its group would listen on port "
+                         f"{int(port) - rank}")
+    return f"{host}:{int(port) - rank}"
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,11 @@ class Decision:
         if not isinstance(raw, dict) or set(raw) - {f.name for f in dataclasses.fields(cls)}:
             raise ValueError(f"a decision has unknown fields: {sorted(set(raw) - {f.name for f in dataclasses.fields(cls)})}"
                              if isinstance(raw, dict) else "a decision must be a JSON object")
+        for name in ("seq", "kind"):
+            if name not in raw:
+                raise ValueError(f"a decision needs its {name}")
+        if not isinstance(raw["kind"], str):
+            raise ValueError(f"decision kind must be a string, got {raw['kind']!r}")
         for name in ("members", "dcs", "handover"):
             v = raw.get(name, [])
             if not isinstance(v, list) or not all(isinstance(e, str) for e in v):
@@ -157,6 +168,11 @@ class Decision:
         v = raw.get("lives", [])
         if not isinstance(v, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in v):
             raise ValueError("decision lives must be a list of integers")
+        if raw.get("donor") is not None and not isinstance(raw["donor"], str):
+            raise ValueError(f"decision donor must be a member id or null, got {raw['donor']!r}")
+        v = raw.get("donor_round", -1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < -1:
+            raise ValueError(f"decision donor_round must be an integer >= -1, got {v!r}")
         return cls(**raw)
 
 
@@ -179,14 +195,28 @@ class News:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "News":
+        """News as rank 0 published it (ValueError names a bad field)."""
         try:
             raw = json.loads(text)
-            dead = tuple(x for x in raw.get("dead", []) if isinstance(x, str))
-            handovers = tuple((int(n), str(j), int(r), int(s)) for n, j, r, s in raw.get("handovers", []))
-            known = tuple((str(m), int(life)) for m, life in raw.get("known", []))
-        except (ValueError, TypeError, AttributeError) as e:
-            raise ValueError(f"news must be rank 0's JSON: {e}") from None
-        return cls(dead, handovers, known)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"news must be JSON: {e}") from None
+        if not isinstance(raw, dict) or set(raw) - {"dead", "handovers", "known"}:
+            raise ValueError("news must be a JSON object of dead, handovers and known")
+
+        def integer(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        dead, handovers, known = raw.get("dead", []), raw.get("handovers", []), raw.get("known", [])
+        if not isinstance(dead, list) or not all(isinstance(x, str) for x in dead):
+            raise ValueError("news dead must be a list of member ids")
+        if not isinstance(handovers, list) or not all(
+                isinstance(h, list) and len(h) == 4 and isinstance(h[1], str) and all(integer(h[i]) for i in (0, 2, 3))
+                for h in handovers):
+            raise ValueError("news handovers must be a list of [number, joiner, round, step]")
+        if not isinstance(known, list) or not all(
+                isinstance(k, list) and len(k) == 2 and isinstance(k[0], str) and integer(k[1]) for k in known):
+            raise ValueError("news known must be a list of [member id, life]")
+        return cls(tuple(dead), tuple(tuple(h) for h in handovers), tuple(tuple(k) for k in known))
 
 
 class GroupLink(Protocol):
@@ -329,8 +359,8 @@ class ShardFollower:
             if not node.deliver(msg):
                 self._count("state")
         elif msg.kind == "state-reply":
-            if (self.status == "waiting" or self.joining) and len(self.replies) < 8:
-                self.replies.append(msg)
+            if self.status == "waiting" or self.joining:
+                self.replies = [*self.replies[-7:], msg]  # the newest few: each holds a whole shard
             else:
                 self._count("unsolicited")
         else:

@@ -36,6 +36,7 @@ log = logging.getLogger("gossip.group")
 POLL = 0.05  # seconds between looks at the link (acks, a decision) and at a waiting round's dead
 LISTEN = 0.2  # seconds a follower waits for a decision before looking at rank 0's news again
 NEWS_EVERY = 0.2  # seconds between a training follower's looks at rank 0's news
+HANDOVERS = 64  # joiners queued for the next exchange at most (as Lifecycle's own queue)
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class GroupLead:
         (its first round), every rank hands over its shard of the round now."""
         life, node = self.life, self.life.node
         if node is None or node.waiting is None:
-            if joiner not in life.handovers:
+            if joiner not in life.handovers and len(life.handovers) < HANDOVERS:
                 life.handovers.append(joiner)
             return
         self.hand_over(joiner)

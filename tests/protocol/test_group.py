@@ -51,6 +51,10 @@ def test_a_decision_survives_json_with_every_field() -> None:
     ('{"seq": 1, "kind": "round", "members": ["a:1"], "lives": [true]}', "decision lives must be a list of integers"),
     ('{"seq": 1, "kind": "round", "members": ["a:1"], "dcs": ["x", "y"]}', "labels go one per member"),
     ('{"seq": 1, "kind": "round", "members": ["a:1"], "lives": [1, 2]}', "lives go one per member"),
+    ('{"kind": "round"}', "a decision needs its seq"),
+    ('{"seq": 3}', "a decision needs its kind"),
+    ('{"seq": 1, "kind": "start", "donor": 7}', "decision donor must be a member id or null, got 7"),
+    ('{"seq": 1, "kind": "start", "donor_round": "2"}', "decision donor_round must be an integer >= -1, got '2'"),
     ('[1, "round"]', "a decision must be a JSON object"),
     ('{"seq": 1, "kind": ', "a decision must be JSON"),
     (b'\xff\xfe', "a decision must be JSON"),
@@ -66,8 +70,10 @@ def test_news_survives_json_and_refuses_what_is_not_rank_0s() -> None:
     back = News.from_json(news.to_json())
     assert back == news
     assert News.from_json("{}") == News()  # nothing published yet reads as no news
-    for text in ('[1, 2]', '{"handovers": [[1, "x:1", 2]]}', '{"known": [["x:1", "two"]]}', "not json"):
-        with pytest.raises(ValueError, match="news must be rank 0's JSON"):
+    for text, field in (('[1, 2]', "JSON object"), ('{"handovers": [[1, "x:1", 2]]}', "handovers"),
+                        ('{"known": [["x:1", "two"]]}', "known"), ('{"dead": "abc"}', "dead"),
+                        ('{"dead": ["x:1", 7]}', "dead"), ("not json", "must be JSON")):
+        with pytest.raises(ValueError, match=field):
             News.from_json(text)
 
 
@@ -90,7 +96,7 @@ def test_rank_r_of_a_group_listens_r_ports_above_its_member_id_and_back() -> Non
     (lambda: rank_address(":6000", 1), "group id must be HOST:PORT, got ':6000'"),
     (lambda: rank_address("h:60a0", 1), "group id must be HOST:PORT, got 'h:60a0'"),
     (lambda: rank_address("h:-5", 0), "group id must be HOST:PORT"),
-    (lambda: group_of("h:2", 3), "outside 1-65535"),
+    (lambda: group_of("h:2", 3), "its group would listen on port -1"),
 ])
 def test_an_address_that_cannot_be_a_ranks_is_refused(call, needle) -> None:
     with pytest.raises(ValueError) as e:
@@ -319,6 +325,29 @@ def test_a_joiner_takes_rank_rs_shard_of_the_donor_round_and_nothing_else() -> N
     assert joiner.shard.data_ptr() != fa.shard.data_ptr()
     assert joiner.took == {"from": fa.id, "round": 1, "step": 0, "sha256": fa.handed[0]["sha256"]}
     assert joiner.status == "training" and joiner.replies == []
+
+
+def test_a_joiner_keeps_the_newest_replies_and_takes_a_later_round_until_its_go() -> None:
+    """Replies of other rounds pile up while rank 0 asks the donor again: the newest are
+    kept (not the first eight), and a rank that took its shard of one round takes the
+    later round's that rank 0's next start names, until the go."""
+    fa, _, _ = _pair(0.0, 2.0)
+    joiner = _follower(C, -9.0)
+    joiner.apply(Decision(1, "start", round=1, step=1, members=(A, B, C), donor=A, donor_round=0))
+    reply = fa.hand_over([C])[0][1]
+    for rnd in range(12):
+        late = _copy(reply)
+        late.round = rnd
+        joiner.handle(late)
+    assert [m.round for m in joiner.replies] == list(range(4, 12)) and "unsolicited" not in joiner.rejected
+    assert joiner.take(Decision(2, "start", round=11, step=11, members=(A, B, C), donor=A, donor_round=11))
+    again = _copy(reply)
+    again.round = 13
+    joiner.handle(again)  # rank 0 asked again (another rank missed round 11): still wanted
+    assert joiner.take(Decision(3, "start", round=13, step=13, members=(A, B, C), donor=A, donor_round=13))
+    joiner.begin()  # the go
+    joiner.handle(_copy(again))
+    assert joiner.rejected == {"unsolicited": 1} and joiner.replies == []
 
 
 def test_a_hand_over_in_the_middle_of_a_round_comes_from_rank_0s_news_once() -> None:
