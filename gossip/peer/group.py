@@ -60,8 +60,6 @@ class GroupLeader:
 
     def __init__(self, cfg: PeerConfig, shard: torch.Tensor, fingerprint: str, link: GroupLink, size: int) -> None:
         self.cfg = cfg
-        self.shard = shard
-        self.link = link
         self.size = size
         self.peer = Peer(cfg, model=ShardModule(shard), fingerprint=fingerprint)
         self.life = self.peer.life

@@ -78,8 +78,6 @@ class GroupLead:
         self.seq = 0
         self.starts = 0  # start decisions published (a life's, or a start asked again)
         self.stopped = False
-        self.decisions: list[Decision] = []  # with ``record``: every decision published (the simulator's audit)
-        self.record = False
         self._alive_version = -1
         self._dead: tuple[str, ...] = ()
         self._known: tuple[tuple[str, int], ...] = ()
@@ -101,8 +99,6 @@ class GroupLead:
         d = Decision(self.seq, kind, **fields)
         self.starts += kind == "start"
         self.link.publish(d)
-        if self.record:
-            self.decisions.append(d)
         return d
 
     def publish_alive(self) -> None:
@@ -305,8 +301,6 @@ class GroupFollow:
         self.dcs: dict[str, str] = {}  # member -> its datacenter label, from rank 0's decisions
         self.group_origin: float | None = None  # rank 0's start, from its start decision
         self.connected: dict[str, int] = {}  # rank-r address -> the life its connection was opened for
-        self.decisions: list[Decision] = []  # with ``record``: every decision taken (the simulator's audit)
-        self.record = False
         self._news_at = -1e18
 
     @property
@@ -325,8 +319,6 @@ class GroupFollow:
             while True:
                 d = self.link.next(self.seq, 0.0)
                 if d is not None:
-                    if self.record:
-                        self.decisions.append(d)
                     return d
                 self.look()
                 yield Poll(LISTEN)

@@ -339,7 +339,6 @@ class SimCluster:
         else:
             p.group = group
             p.lead = GroupLead(p.life, self.group, group.link.rank(0), group.views[0].flat)
-            p.lead.record = True
             p.program = lead_program(p.lead, group, cfg.steps, origin=local(self.now))
             for q in self.ranks[i][1:]:
                 r = q.rank
@@ -349,7 +348,6 @@ class SimCluster:
                 q.group, q.life = group, None
                 q.follow = GroupFollow(f, group.link.rank(r), send=lambda dst, msg, q=q: self._send(q, dst, msg, False),
                                        timeout=cfg.timeout, origin=q.local(self.now))
-                q.follow.record = True
                 q.program = follow_program(q.follow, group, cfg.steps)
         for q in self.ranks[i]:
             self._push(self.now, RESUME, q.index, (q.epoch, q.token))
