@@ -205,7 +205,7 @@ class Joining:
         final state. A training loop of the user's own has no step budget: no cap."""
         life = self.life
         step = start_round * life.cfg.period
-        return step if life.user_model is not None else min(step, life.cfg.steps)
+        return min(step, life.cfg.steps) if life.step_budget else step
 
     def align_start(self, mode: str) -> None:
         """With --resume, start where the starters are: a cluster restarted as a whole

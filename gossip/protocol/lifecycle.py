@@ -101,6 +101,9 @@ class Lifecycle:
         self.origin = origin
         self.live_sends = live_sends
         self.user_model, self.user_optimizer = model, optimizer
+        # the run ends after cfg.steps local steps (a task's, a group's), so a join past the end
+        # holds the final state; a training loop of the user's own (GossipNode) has no budget
+        self.step_budget = model is None
         self.send_message = send
         self.new_incarnation = new_incarnation
         self.lock = threading.RLock()  # the member table, shared with the driver's I/O side

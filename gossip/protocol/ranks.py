@@ -66,6 +66,7 @@ class GroupLead:
         self.size = size
         self.link = link
         life.group_size = size  # every rank hands its shard to a joiner at once (see state_request)
+        life.step_budget = True  # the group's loop runs cfg.steps steps
         life.on_state_request = self.state_request
         then = life.on_node
 

@@ -103,8 +103,10 @@ def _fmt(x: Any) -> str:
     return f"{x:.2f}" if isinstance(x, float) else str(x)
 
 
-def draw(seed: int) -> Schedule:
-    """The schedule of run ``seed`` (the same seed, the same schedule)."""
+def draw(seed: int, groups: bool = True) -> Schedule:
+    """The schedule of run ``seed`` (the same seed, the same schedule). ``groups=False``:
+    single-process nodes always, the schedule ``seed`` had before groups were drawn (the
+    seeds found then replay as they were found)."""
     rng = random.Random(seed)  # the only source of the schedule: no hash() of anything, no clock
     n = rng.randint(3, 5)
     s = Schedule(seed, n, loss=rng.choice([0.0, 0.0, 0.005, 0.02]), jitter=rng.choice([0.0, 0.002, 0.02]),
@@ -156,7 +158,8 @@ def draw(seed: int) -> Schedule:
             until = end(t + rng.uniform(0.5, 3.5))
             if until > t:
                 s.faults.append((t, "stall", i, until))
-    _draw_group(s, busy, lo, hi, end)
+    if groups:
+        _draw_group(s, busy, lo, hi, end)
     s.faults.sort()
     if s.settles:  # a fault that would end after FAULTS_END was cut there; a start at it is not a fault
         assert all(max(x for x in f if isinstance(x, float)) <= FAULTS_END for f in s.faults), s.faults
@@ -312,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--detector", choices=DETECTORS, default=DEFAULT_DETECTOR,
                     help="the nodes' failure detector (gossip-node --detector); a seed's schedule is the same "
                          "with either (default: %(default)s)")
-    ap.add_argument("--groups", action="store_true", help="run only the schedules drawn with groups of ranks")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--groups", action="store_true", help="run only the schedules drawn with groups of ranks")
+    which.add_argument("--single", action="store_true",
+                       help="single-process nodes only: every seed's schedule as drawn before groups were (replay "
+                            "the seeds found then with it)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the protocol (INFO)")
     args = ap.parse_args(argv)
     if args.runs < 1:
@@ -326,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     ran = 0
     for seed in seeds:
-        s = draw(seed)
+        s = draw(seed, groups=not args.single)
         if args.groups and s.group == 1 and args.replay is None:
             continue
         ran += 1
@@ -342,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"VIOLATION {s.describe()}", file=sys.stderr)
             for b in bad:
                 print(f"  {b}", file=sys.stderr)
-            print(f"  replay: python -m gossip.sim.explore --replay {seed} --detector {args.detector}", file=sys.stderr)
+            print(f"  replay: python -m gossip.sim.explore --replay {seed} --detector {args.detector}"
+                  f"{' --single' if args.single else ''}", file=sys.stderr)
         elif args.replay is not None or args.verbose:
             print(f"ok {s.describe()}", file=sys.stderr)
     cpu = time.process_time() - cpu0
