@@ -18,10 +18,12 @@ list (``tests/test_layout.py`` checks it, and that no import runs in a circle):
 ``training``       the node program, tasks, data, samplers, dataset loaders
 ``protocol``       the membership protocol, sans-IO: member table, control plane,
                    failure detectors, joins, the peer's life, its timings and settings
-``peer``           the wall-clock driver, its reports, launchers, ``GossipNode``
-``sim``            the virtual clock: engines, simulated clusters, faults, the explorer
-``groups``         torch.distributed inside a node (``peer``, ``sim`` and ``groups``
-                   never import each other)
+``peer``           the wall-clock driver, its reports, launchers, ``GossipNode``, the
+                   drivers of a group's ranks
+``sim``            the virtual clock: engines, simulated clusters and groups, faults,
+                   the explorer (``peer`` and ``sim`` never import each other)
+``groups``         torch.distributed inside a node: the process group, shards, the
+                   group's checkpoints and its run on every rank (over ``peer``)
 ``integrations``   the frameworks' hooks (Hugging Face, Lightning)
 entry points       ``api`` (:func:`simulate`), ``cli``, ``plot``, ``explore``
 =================  ===========================================================

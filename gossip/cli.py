@@ -273,8 +273,9 @@ NODE_FLAGS = {
     "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": (float, str),
     "threads": int, "emulate": list, "curve_keys": str, "peers_file": str, "slurm": bool, "slurm_port": int,
     "progress": bool, "tensorboard": str, "clip": (float, str), "asynchronous": bool, "staleness": str, "overlap": bool, "link_policy": list,
-    "outer": str, "detector": str,
+    "outer": str, "detector": str, "nproc_per_node": int, "intra": str, "max_restarts": int, "as_group": int,
 }
+INTRA = ("ddp", "fsdp")  # inside a group of --nproc-per-node processes (gossip.groups.group)
 
 
 def build_node_parser() -> argparse.ArgumentParser:
@@ -333,6 +334,20 @@ def build_node_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-keys", metavar="DIR",
                    help="encrypt and authenticate with CurveZMQ: DIR/node.key_secret is this node's key pair, "
                         "DIR/allowed/*.key the public keys of the nodes allowed in (make them with gossip-keys)")
+    p.add_argument("--nproc-per-node", type=_positive_int("--nproc-per-node"), default=1, metavar="K",
+                   help="run this member as a group of K processes, one per device, under torchrun's launcher: "
+                        "torch.distributed inside (--intra), sharded gossip between groups; rank r listens on "
+                        "the --listen port + r (default: 1, a single process)")
+    p.add_argument("--intra", choices=INTRA, default="ddp",
+                   help="inside a group: ddp (a replica per rank, gradients all-reduced) or fsdp (fully_shard: "
+                        "the model only has to fit across the group) (default: %(default)s)")
+    p.add_argument("--as-group", type=_positive_int("--as-group"), default=1, metavar="K",
+                   help="gossip as a DDP group of K ranks from this one process, to train in a cluster of such "
+                        "groups (gossip-node --nproc-per-node K --intra ddp): the model in K slices, slice r "
+                        "exchanged at the --listen port + r (default: 1)")
+    p.add_argument("--max-restarts", type=_nonneg_int("--max-restarts"), default=0, metavar="N",
+                   help="with --nproc-per-node: start the group again this many times after a rank dies; each "
+                        "start is a new life that rejoins the cluster (default: 0)")
     p.add_argument("--threads", type=_positive_int("--threads"), default=None, metavar="N",
                    help="torch intra-op threads (default: torch's choice; use 1 when several nodes share a machine)")
     p.add_argument("--tensorboard", metavar="DIR",
@@ -439,6 +454,21 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
     args.progress = merged.get("progress")
     args.threads = merged.get("threads")
     args.verbose = merged.get("verbose") or 0
+    args.nproc_per_node, args.intra, args.max_restarts = merged["nproc_per_node"], merged["intra"], merged["max_restarts"]
+    args.as_group = merged["as_group"]
+    if args.intra not in INTRA:
+        raise ValueError(f"--intra must be one of {', '.join(INTRA)}, got {args.intra!r}")
+    if args.as_group > 1 and args.nproc_per_node > 1:
+        raise ValueError("--as-group K is one process gossiping as a group of K; --nproc-per-node K starts K "
+                         "processes: give one of them")
+    if args.as_group > 1 and args.intra != "ddp":
+        raise ValueError("--as-group K gossips in the layout of a DDP group (--intra ddp): an FSDP group's "
+                         "shards follow its wrapped modules, which one process does not have")
+    if args.as_group > 1 and (cfg.checkpoint_dir or cfg.resume):
+        raise ValueError("--as-group does not write or read checkpoints yet: leave out --checkpoint-dir and "
+                         "--resume (a restarted node takes the cluster's state when it joins)")
+    if args.max_restarts and args.nproc_per_node == 1:
+        raise ValueError("--max-restarts goes with --nproc-per-node K (a group restarted by its launcher)")
     return cfg, args
 
 
@@ -457,11 +487,29 @@ def _progress_bar(peer: Any, progress: bool | None) -> Any:
 
 
 def node_main(argv: Sequence[str] | None = None) -> int:
-    """``gossip-node``: train as one peer; exit 0 when done, 2 on bad input or when it cannot join."""
+    """``gossip-node``: train as one member, a single process or a group of K; exit 0 when
+    done, 2 on bad input or when it cannot join."""
     import signal
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg, args = node_config_from_args(argv)
+        from gossip.groups.group import group_env
+
+        env = group_env()
+        if env.launched:  # a rank of a group, under torchrun (gossip-node --nproc-per-node, or the user's)
+            return _group_worker(cfg, args, env)
+        if args.intra == "fsdp" and args.nproc_per_node == 1:
+            raise ValueError("--intra fsdp shards the model over a group's ranks: give --nproc-per-node K "
+                             "(or start the node with torchrun --nproc-per-node K -m gossip.node)")
+        if args.nproc_per_node > 1:  # checked here, once: the launcher would restart a bad worker
+            from gossip.groups.run import launch
+            from gossip.training.tasks import get_task
+
+            get_task(cfg.task)  # a bad task spec, before any worker starts
+            return launch(argv, args.nproc_per_node, args.max_restarts)
+        if args.as_group > 1:
+            return _slices(cfg, args)
         setup_logging(args.verbose, cfg.node_id)
         if args.threads:
             import torch
@@ -499,6 +547,103 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"{summary['node']}: {summary['steps']} steps, accuracy {summary.get('final_accuracy')}, "
               f"neighbour distance {summary.get('neighbor_distance')}, {summary['bytes_sent'] / 1e6:.2f} MB sent")
+    return 0
+
+
+def _group_worker(cfg: Any, args: argparse.Namespace, env: Any) -> int:
+    """One rank of a group under torchrun: rank 0 leads (the member's protocol), the others follow."""
+    import signal
+
+    from gossip.groups.group import GroupError
+    from gossip.groups.run import run_group
+    from gossip.protocol.errors import PeerError
+    from gossip.transport.zmq import BindError
+
+    setup_logging(args.verbose, f"{cfg.node_id} rank {env.rank}")
+    if args.nproc_per_node not in (1, env.size):
+        return _fail("gossip-node", f"--nproc-per-node {args.nproc_per_node} but torchrun started {env.size} "
+                                    "processes for this group") if env.rank == 0 else EXIT_USAGE
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    holder: dict[str, Any] = {}
+
+    def on_leader(leader: Any) -> None:
+        holder["leader"] = leader
+        holder["bar"] = _progress_bar(leader.peer, args.progress)
+
+    def stop(signum: int, frame: Any) -> None:
+        leader = holder.get("leader")
+        if leader is None:
+            return  # rank r: rank 0 decides when the group stops (it got the signal too)
+        if leader.peer.stop.is_set():
+            raise KeyboardInterrupt
+        logging.getLogger("gossip.node").warning("%s: signal %d: finishing at the group's next exchange",
+                                                 cfg.node_id, signum)
+        leader.peer.request_stop()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        summary = run_group(cfg, args.intra, on_leader=on_leader)
+    except (ValueError, GroupError, BindError, PeerError) as e:
+        return _fail("gossip-node", str(e)) if env.rank == 0 else EXIT_USAGE
+    finally:
+        if holder.get("bar") is not None:
+            holder["bar"].close()
+    if env.rank == 0:
+        if args.json:
+            print(json.dumps(summary, default=_json_default), flush=True)
+        else:
+            print(f"{summary['node']}: a group of {summary['group_size']}, {summary['steps']} steps, accuracy "
+                  f"{summary.get('final_accuracy')}, {summary['bytes_sent'] / 1e6:.2f} MB sent by rank 0")
+    return 0
+
+
+def _slices(cfg: Any, args: argparse.Namespace) -> int:
+    """One process gossiping as a DDP group of ``--as-group K`` (gossip.groups.run.run_slices)."""
+    import signal
+
+    from gossip.groups.run import run_slices
+    from gossip.protocol.errors import PeerError
+    from gossip.transport.zmq import BindError
+
+    setup_logging(args.verbose, cfg.node_id)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    holder: dict[str, Any] = {}
+
+    def on_leader(leader: Any) -> None:
+        holder["leader"] = leader
+        holder["bar"] = _progress_bar(leader.peer, args.progress)
+
+    def stop(signum: int, frame: Any) -> None:
+        leader = holder.get("leader")
+        if leader is None:
+            raise KeyboardInterrupt
+        if leader.peer.stop.is_set():
+            raise KeyboardInterrupt
+        logging.getLogger("gossip.node").warning("%s: signal %d: finishing at the next exchange", cfg.node_id,
+                                                 signum)
+        leader.peer.request_stop()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        summary = run_slices(cfg, args.as_group, on_leader=on_leader)
+    except (BindError, PeerError) as e:
+        return _fail("gossip-node", str(e))
+    finally:
+        if holder.get("bar") is not None:
+            holder["bar"].close()
+    if args.json:
+        print(json.dumps(summary, default=_json_default), flush=True)
+    else:
+        print(f"{summary['node']}: one process as a group of {summary['group_size']}, {summary['steps']} steps, "
+              f"accuracy {summary.get('final_accuracy')}, {summary['bytes_sent'] / 1e6:.2f} MB sent by slice 0")
     return 0
 
 

@@ -11,17 +11,20 @@ import sys
 import time
 from pathlib import Path
 
-from gossip.transport.ports import free_port
+from gossip.transport.ports import free_port, free_ports
 
 
 class NodeProc:
-    """One ``gossip-node`` process (or, with ``script``, a Python script of the
-    user's own, given ``HOST:PORT`` as its first argument); stdout/stderr go to
-    files in ``workdir``."""
+    """One ``gossip-node`` (or, with ``script``, a Python script of the user's own, given
+    ``HOST:PORT`` as its first argument); stdout/stderr go to files in ``workdir``.
+    With ``group=K`` the node is a group of K processes under torchrun's launcher
+    (``--nproc-per-node K``): rank r listens on the port + r. Each node runs in a
+    session of its own, so that a kill reaches the launcher's workers too."""
 
     def __init__(self, workdir: Path, name: str, args: list[str], port: int | None = None,
-                 script: Path | None = None) -> None:
-        self.port = port or free_port()
+                 script: Path | None = None, group: int = 1) -> None:
+        self.group = group
+        self.port = port or (free_ports(group, consecutive=True)[0] if group > 1 else free_port())
         self.addr = f"127.0.0.1:{self.port}"
         self.name = name
         self.out = workdir / f"{name}.out"
@@ -32,8 +35,10 @@ class NodeProc:
         else:
             cmd = [sys.executable, "-c", "import sys; from gossip.cli import node_main; sys.exit(node_main())",
                    "--listen", f"tcp://{self.addr}", "--threads", "1", "-v", *args]
+            if group > 1:
+                cmd += ["--nproc-per-node", str(group)]
         self.proc = subprocess.Popen(cmd, stdout=open(self.out, "w"), stderr=open(self.err, "w"), env=env,
-                                     cwd=str(Path(__file__).resolve().parents[1]))
+                                     cwd=str(Path(__file__).resolve().parents[1]), start_new_session=True)
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)
@@ -57,9 +62,21 @@ class NodeProc:
         raise AssertionError(f"{self.name}: {needle!r} not logged in {timeout} s:\n{self.log()[-3000:]}")
 
     def kill(self) -> None:
+        """SIGKILL to the node's whole session (a group's workers too), then reap it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the session this node leads: its own processes only
+        except (ProcessLookupError, PermissionError):
+            pass
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
+
+    def ranks(self) -> list[int]:
+        """The PIDs of a group's worker processes (children of its launcher), in start order."""
+        try:
+            out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        except OSError:
+            return []
+        return sorted(int(x) for x in out.split())
 
 
 def records(metrics: Path) -> list[dict]:
@@ -90,8 +107,9 @@ class Cluster:
         self.workdir = workdir
         self.nodes: list[NodeProc] = []
 
-    def start(self, name: str, args: list[str], port: int | None = None, script: Path | None = None) -> NodeProc:
-        node = NodeProc(self.workdir, name, args, port, script)
+    def start(self, name: str, args: list[str], port: int | None = None, script: Path | None = None,
+              group: int = 1) -> NodeProc:
+        node = NodeProc(self.workdir, name, args, port, script, group)
         self.nodes.append(node)
         return node
 

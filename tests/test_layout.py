@@ -1,10 +1,10 @@
 """The tree's layers: every import points down, and no module imports itself in a circle.
 
 The layers (gossip/__init__.py says the same): core -> compression -> {mixing,
-transport} -> training -> protocol -> {peer, sim, groups} -> integrations -> the
+transport} -> training -> protocol -> {peer, sim} -> groups -> integrations -> the
 entry points (api, cli, plot, explore). Modules of one folder may import each
 other (without circles); mixing and transport never import each other, nor do
-peer, sim and groups. ``topologies`` stands alone (networkx and numpy only).
+peer and sim. ``topologies`` stands alone (networkx and numpy only).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = {"core": 0, "compression": 1, "mixing": 2, "transport": 2, "training": 3, "protocol": 4,
-        "peer": 5, "sim": 5, "groups": 5, "integrations": 6}
-TOP = 7  # gossip's own modules: api, cli, plot, explore, __init__
+        "peer": 5, "sim": 5, "groups": 6, "integrations": 7}
+TOP = 8  # gossip's own modules: api, cli, plot, explore, __init__
 
 
 def modules(package: str) -> dict[str, Path]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from gossip.groups.group import Group, GroupError
-from gossip.groups.member import GroupMember
+from gossip.training.node import Node
+from gossip.training.shards import ShardView
 
-__all__ = ["save_group_checkpoint", "load_group_checkpoint", "latest_group_checkpoint"]
+__all__ = ["save_group_checkpoint", "load_group_checkpoint", "latest_group_checkpoint", "restore_node"]
 
 _NAME = re.compile(r"^step-(\d{8})$")
 
@@ -44,8 +46,10 @@ def latest_group_checkpoint(directory: str | os.PathLike) -> Path | None:
 
 
 def save_group_checkpoint(directory: str | os.PathLike, step: int, group: Group, model: torch.nn.Module,
-                          optimizer: torch.optim.Optimizer, member: GroupMember, stream: Any = None) -> Path:
-    """Write this group's state at local ``step`` (a collective: every rank calls it)."""
+                          optimizer: torch.optim.Optimizer, node: Node, view: ShardView, stream: Any = None,
+                          members: list[str] | None = None) -> Path:
+    """Write this group's state at local ``step`` (a collective: every rank calls it);
+    ``node`` mixes this rank's shard ``view``; rank 0 also keeps the ``members`` it trains with."""
     final = Path(directory) / f"step-{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     if group.rank == 0:
@@ -53,22 +57,31 @@ def save_group_checkpoint(directory: str | os.PathLike, step: int, group: Group,
     group.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=group.pg is None)
-    node = member.node
-    assert node is not None
     torch.save({"rules": [ch.rule.state_dict() for ch in node.channels], "rounds": [ch.round for ch in node.channels],
                 "seq": node.seq, "stream": stream.state_dict() if hasattr(stream, "state_dict") else None,
-                "shard_numel": member.view.flat.numel()}, tmp / f"rank-{group.rank}.pt")
+                "shard_numel": view.flat.numel()}, tmp / f"rank-{group.rank}.pt")
     group.barrier()
     if group.rank == 0:
-        torch.save({"step": step, "group_size": group.size, "intra": group.intra}, tmp / "group.pt")
-        os.replace(tmp, final)
+        torch.save({"step": step, "group_size": group.size, "intra": group.intra, "members": list(members or [])},
+                   tmp / "group.pt")
+        if final.exists():  # this step again (the last step is also a --checkpoint-every step): the newer wins
+            old = final.with_name(final.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)  # (the name no longer counts: an older complete checkpoint is the latest now)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
     group.barrier()
     return final
 
 
 def load_group_checkpoint(path: str | os.PathLike, group: Group, model: torch.nn.Module,
-                          optimizer: torch.optim.Optimizer, member: GroupMember, stream: Any = None) -> int:
-    """Resume from the checkpoint ``path`` (a collective); returns its local step.
+                          optimizer: torch.optim.Optimizer, view: ShardView, stream: Any = None) -> dict[str, Any]:
+    """Resume the model, optimizer and data stream from the checkpoint ``path`` (a
+    collective); returns what the node takes back (:func:`restore_node`): the step,
+    this rank's mixing state, and the members rank 0 trained with.
 
     Raises :class:`~gossip.groups.group.GroupError` when it was written by a group of
     another size or with the other ``intra``.
@@ -85,19 +98,26 @@ def load_group_checkpoint(path: str | os.PathLike, group: Group, model: torch.nn
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path), no_dist=group.pg is None)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    if not member.view.is_bound():
+    if not view.is_bound():
         raise RuntimeError("loading the checkpoint moved the parameters out of the gossip shard")
     mine = torch.load(path / f"rank-{group.rank}.pt", map_location="cpu", weights_only=True)
-    node = member.node
-    assert node is not None
-    if mine["shard_numel"] != member.view.flat.numel():
+    if mine["shard_numel"] != view.flat.numel():
         raise GroupError(f"checkpoint {path}: rank {group.rank}'s shard has {mine['shard_numel']} values, this "
-                         f"rank's {member.view.flat.numel()} (another model?)")
-    for ch, rs, rnd in zip(node.channels, mine["rules"], mine["rounds"]):
-        ch.rule.load_state_dict(rs)
-        ch.round = int(rnd)
-    node.seq = int(mine["seq"])
-    node.step = int(meta["step"])
+                         f"rank's {view.flat.numel()} (another model?)")
     if stream is not None and mine["stream"] is not None and hasattr(stream, "load_state_dict"):
         stream.load_state_dict(mine["stream"])
-    return int(meta["step"])
+    return {"step": int(meta["step"]), "rules": mine["rules"], "rounds": mine["rounds"], "seq": int(mine["seq"]),
+            "members": list(meta.get("members") or []), "stream": mine["stream"]}
+
+
+def restore_node(node: Node, state: dict[str, Any], stream: Any = None) -> None:
+    """Give ``node`` back the mixing state of :func:`load_group_checkpoint` (its rules' state,
+    rounds, sequence number and step), and ``stream`` its data position when the stream
+    was made after the load (a group's stream depends on where the cluster placed it)."""
+    for ch, rs, rnd in zip(node.channels, state["rules"], state["rounds"]):
+        ch.rule.load_state_dict(rs)
+        ch.round = int(rnd)
+    node.seq = int(state["seq"])
+    node.step = int(state["step"])
+    if stream is not None and state.get("stream") is not None and hasattr(stream, "load_state_dict"):
+        stream.load_state_dict(state["stream"])

@@ -1,7 +1,8 @@
-"""A group of devices as one gossip member: torch.distributed inside, sharded gossip between groups.
+"""torch.distributed inside a node: a group of K processes that is one gossip member.
 
-A group is K processes started by torchrun (``torchrun --nproc-per-node K ...``),
-one per device. Inside it, torch.distributed does what it does best:
+A group is K processes started by torchrun (``gossip-node --nproc-per-node K``
+starts torchrun's launcher for you), one per device. Inside it, torch.distributed
+does what it does best:
 
 ``intra="ddp"``
     every rank holds a replica; :class:`~torch.nn.parallel.DistributedDataParallel`
@@ -11,33 +12,12 @@ one per device. Inside it, torch.distributed does what it does best:
     sharded, so the model only has to fit across the group.
 
 Between groups the cluster stays masterless gossip, and a group is one member:
-rank r of a group exchanges only its part of the parameters with rank r of each
-neighbour group, over a connection of its own, so K streams run in parallel.
-Each rank's part is a :class:`ShardView`: one flat 1-D tensor that the mixing
-rules and codecs act on exactly as on a whole model's
-(:class:`gossip.core.state.FlatState`):
-
-- FSDP: the rank's local shards of every parameter, padded as FSDP pads them,
-  re-homed into one contiguous vector (:class:`FsdpShards`). FSDP's own
-  all-gathers read that vector and the optimizer writes it, so there is no copy
-  to keep in step.
-- DDP: the rank's 1/K slice of the replica's flat vector (:class:`ReplicaSlice`);
-  after mixing, each rank broadcasts its slice inside the group, so the
-  replicas are equal again.
-
-Rank r of every group holds the same layout (the same parameters, sharded the
-same way), so the element-wise mixing of rank r's shards is exactly the mixing
-of the whole models.
-
-Addresses: a group's member id is ``HOST:PORT``, the gossip address of its rank
-0; rank r listens on ``HOST:PORT+r`` (:func:`rank_address`). So a group that
-knows a neighbour's member id knows the address of the neighbour's rank r, and
-K consecutive ports must be free on each host.
-
-One member, one view: rank 0 of a group decides (the neighbours, the round, the
-verdict: :class:`Decision`), and :func:`agree` hands its decision to the other
-ranks through the group's own process group. Groups must all have the same
-size (:func:`check_group_sizes`).
+rank 0 runs the member's protocol (:mod:`gossip.peer.group`), and rank r
+exchanges only its part of the parameters (its
+:class:`~gossip.training.shards.ShardView`) with rank r of each neighbour group.
+This module starts the process group (:func:`start_group`), wraps the model
+(:meth:`Group.wrap`) and gives the ranks their channel (:meth:`Group.link`, over
+torchrun's store).
 """
 
 from __future__ import annotations
@@ -46,34 +26,29 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from gossip.core.state import FlatState
-from gossip.groups.shards import FsdpShards, ReplicaSlice, ShardView
+from gossip.training.shards import FsdpShards, ReplicaSlice, ShardView
+from gossip.groups.link import StoreLink
 from gossip.training.node import resolve_device
 
-__all__ = ["INTRA", "VERDICTS", "GroupEnv", "GroupError", "GroupSizeError", "Group", "Decision", "ShardView",
-           "FsdpShards", "ReplicaSlice", "group_env", "start_group", "agree", "check_group_sizes", "rank_address", "members_at"]
+__all__ = ["INTRA", "GroupEnv", "GroupError", "Group", "ShardView", "FsdpShards", "ReplicaSlice", "group_env",
+           "start_group"]
 
 log = logging.getLogger("gossip.group")
 
 INTRA = ("ddp", "fsdp")
-# exchange this round / no exchange this round / end training / take shards from ``donor`` (rejoin)
-VERDICTS = ("mix", "skip", "stop", "join")
 
 _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class GroupError(ValueError):
     """A group that cannot be set up as asked (bad launch, bad option); the driver exits 2."""
-
-
-class GroupSizeError(GroupError):
-    """Groups of different sizes: rank r of one would have no partner in the other."""
 
 
 @dataclass(frozen=True)
@@ -129,73 +104,6 @@ def group_env(environ: Mapping[str, str] | None = None) -> GroupEnv:
         raise GroupError("MASTER_ADDR is not set: launch with torchrun")
     port = _int_var(env, "MASTER_PORT", 1)
     return GroupEnv(rank, local_rank, size, local_size, addr, port, True)
-
-
-def rank_address(group_id: str, rank: int) -> str:
-    """The gossip address of rank ``rank`` of the group whose member id is ``HOST:PORT``:
-    ``HOST:PORT+rank``.
-
-    >>> rank_address("10.0.0.5:6000", 3)
-    '10.0.0.5:6003'
-    """
-    host, sep, port = str(group_id).rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"group id must be HOST:PORT, got {group_id!r}")
-    p = int(port) + rank
-    if not 0 < p < 65536:
-        raise ValueError(f"group {group_id!r}: rank {rank} would listen on port {p}, outside 1-65535")
-    return f"{host}:{p}"
-
-
-def check_group_sizes(sizes: Mapping[str, int]) -> None:
-    """Raise :class:`GroupSizeError` unless every group (member id -> ranks) has one size.
-
-    >>> check_group_sizes({"a:1": 2, "b:1": 2})
-    >>> check_group_sizes({"a:1": 2, "b:1": 4})
-    Traceback (most recent call last):
-    ...
-    gossip.groups.group.GroupSizeError: group sizes differ: group a:1 has 2 ranks, group b:1 has 4 ranks; every group must have the same size (torchrun --nproc-per-node)
-    """
-    items = sorted(sizes.items())
-    for gid, k in items:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise GroupError(f"group {gid} reports size {k!r}; a size is a positive integer")
-    if items and any(k != items[0][1] for _, k in items):
-        first = items[0]
-        other = next((g, k) for g, k in items if k != first[1])
-        raise GroupSizeError(f"group sizes differ: group {first[0]} has {_ranks(first[1])}, group {other[0]} has "
-                             f"{_ranks(other[1])}; every group must have the same size (torchrun --nproc-per-node)")
-
-
-def _ranks(k: int) -> str:
-    return f"{k} rank" if k == 1 else f"{k} ranks"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What rank 0 of a group decided for all of its ranks: the member list (group
-    ids, in the order every member uses), the round and the verdict (:data:`VERDICTS`)."""
-
-    round: int
-    members: tuple[str, ...]
-    verdict: str = "mix"
-    # joiners (group ids, not in ``members``): after this round's mix, rank r sends its
-    # shard to rank r of each; they are members from the next round on
-    handover: tuple[str, ...] = ()
-    donor: str | None = None  # verdict "join": the group whose shards every rank takes
-
-    def __post_init__(self) -> None:
-        if self.verdict not in VERDICTS:
-            raise ValueError(f"verdict must be one of {', '.join(VERDICTS)}, got {self.verdict!r}")
-        if isinstance(self.round, bool) or not isinstance(self.round, int) or self.round < 0:
-            raise ValueError(f"round must be a non-negative integer, got {self.round!r}")
-        object.__setattr__(self, "members", tuple(self.members))
-        object.__setattr__(self, "handover", tuple(self.handover))
-        if (self.verdict == "join") != (self.donor is not None):
-            raise ValueError("a donor goes with the verdict 'join', and only with it")
-        if set(self.handover) & set(self.members):
-            both = sorted(set(self.handover) & set(self.members))
-            raise ValueError(f"a group handed its shards joins the round after: {both} cannot be a member of this one")
 
 
 @dataclass
@@ -255,6 +163,14 @@ class Group:
         if self.pg is not None:
             dist.barrier()
 
+    def link(self) -> StoreLink | None:
+        """The ranks' channel (rank 0's decisions), over the process group's store; None
+        for a group of one."""
+        if self.pg is None:
+            return None
+        store = dist.PrefixStore("gossip-link/", dist.distributed_c10d._get_default_store())
+        return StoreLink(store, self.rank, self.size)
+
     def close(self) -> None:
         """Leave the process group (the group's end)."""
         if self.pg is not None and dist.is_initialized():
@@ -313,24 +229,3 @@ def _life_store(env: GroupEnv, life: str, timeout: float) -> Any:
     store = dist.TCPStore(env.master_addr, env.master_port, env.size, is_master=not agent and env.rank == 0,
                           timeout=datetime.timedelta(seconds=timeout), multi_tenant=True)
     return dist.PrefixStore(f"gossip-group/life-{life}/", store)
-
-
-def agree(group: Group, decision: Decision | None) -> Decision:
-    """Rank 0's ``decision``, on every rank of ``group`` (the others pass None or
-    anything: rank 0's wins). A collective: every rank calls it for every decision."""
-    if group.pg is None:
-        if decision is None:
-            raise ValueError("a group of one must make its own decision (got None)")
-        return decision
-    box = [decision if group.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, device=group.device if group.backend == "nccl" else None)
-    out = box[0]
-    if not isinstance(out, Decision):
-        raise TypeError(f"rank 0 of the group broadcast {type(out).__name__}, not a Decision")
-    return out
-
-
-def members_at(groups: Sequence[str], rank: int) -> list[str]:
-    """Rank ``rank``'s addresses of ``groups``, in the same order."""
-    return [rank_address(g, rank) for g in groups]
-

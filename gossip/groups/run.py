@@ -1,199 +1,256 @@
-"""Train groups that gossip shard by shard: the driver of :class:`gossip.groups.member.GroupMember`.
+"""A group's run, on every rank: torchrun's launcher for ``gossip-node --nproc-per-node K``
+(:func:`launch`), the group's training loop (:func:`run_group`), and a single process
+gossiping as a group of K slices (:func:`run_slices`, ``gossip-node --as-group K``).
 
-Start each group with torchrun; every rank runs the same command::
-
-    torchrun --nproc-per-node 2 --master-port 29501 -m gossip.groups.run \\
-        --group 127.0.0.1:7000 --groups 127.0.0.1:7000,127.0.0.1:7100 --intra fsdp --steps 20 --period 2
-    torchrun --nproc-per-node 2 --master-port 29502 -m gossip.groups.run \\
-        --group 127.0.0.1:7100 --groups 127.0.0.1:7000,127.0.0.1:7100 --intra fsdp --steps 20 --period 2
-
-Rank r of group ``HOST:PORT`` gossips on ``HOST:PORT+r``. Each rank trains on its own
-data shard (group g's rank r: shard ``g*K + r`` of ``G*K``), the group's optimizer
-steps every local step (DDP or FSDP), and every ``--period`` steps rank 0 decides
-a synchronous round for the whole group and each rank mixes its shard with rank r
-of the neighbour groups. ``--out DIR`` writes each rank's figures
-(``rank-PORT-R.json``) and the group's final parameters (``params-PORT.pt``, from rank 0).
-``--checkpoint-dir DIR --checkpoint-every N`` writes sharded checkpoints
-(:mod:`gossip.groups.checkpoint`); ``--resume`` starts from the newest one, with
-the same group size.
-
-Bad input (``--intra fsdp`` without torchrun, groups of different sizes) exits 2.
+Rank 0 runs the member's protocol (:class:`~gossip.peer.group.GroupLeader`), the other
+ranks follow it (:class:`~gossip.peer.group.GroupFollower`); the local steps are the
+group's own collectives (DDP or FSDP). The entry point is :mod:`gossip.node`.
 """
 
 from __future__ import annotations
 
-import argparse
-import faulthandler
-import json
-import os
+import logging
 import signal
+import math
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from gossip.groups.checkpoint import (
-    latest_group_checkpoint,
-    load_group_checkpoint,
-    save_group_checkpoint,
-)
-from gossip.groups.control import GroupControl
-from gossip.groups.group import INTRA, GroupError, start_group
-from gossip.groups.member import GroupMember
-from gossip.mixing.settings import MixingSettings
-from gossip.protocol.timing import Timing
+from gossip.groups.checkpoint import latest_group_checkpoint, load_group_checkpoint, restore_node, save_group_checkpoint
+from gossip.groups.group import Group, start_group
+from gossip.peer.group import GroupFollower, GroupLeader
+from gossip.protocol.config import PeerConfig
 from gossip.training.node import init_model
 from gossip.training.tasks import get_task
 
-__all__ = ["main", "run"]
+__all__ = ["launch", "run_group", "run_slices"]
+
+log = logging.getLogger("gossip.group")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gossip.groups.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--group", required=True, help="this group's member id HOST:PORT (rank r listens on PORT+r)")
-    p.add_argument("--groups", required=True, help="every group's member id, comma-separated (this one too)")
-    p.add_argument("--intra", choices=INTRA, default="ddp", help="inside the group: replicas or shards")
-    p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK when CUDA is present), cpu, cuda:N")
-    p.add_argument("--task", default="synthetic")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--period", type=int, default=1)
-    p.add_argument("--compression", default="none")
-    p.add_argument("--overlap", action="store_true", help="a round's messages travel during the next local steps")
-    p.add_argument("--topology", default="ring")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=30.0, help="synchronous round timeout, seconds")
-    p.add_argument("--connect-timeout", type=float, default=60.0, help="how long to wait for the other groups")
-    p.add_argument("--heartbeat", type=float, default=Timing.heartbeat,
-                   help="seconds between rank 0's pings to other groups")
-    p.add_argument("--dead-after", type=float, default=Timing.dead_after,
-                   help="a group whose rank 0 is silent this long is dropped (detection: dead-after + heartbeat)")
-    p.add_argument("--join-timeout", type=float, default=Timing.join_timeout,
-                   help="how long a joining group waits for its donor's shards")
-    p.add_argument("--stop-file", default=None, help="once this file exists, rank 0 ends the run at the next round")
-    p.add_argument("--trace", action="store_true", help="one JSON line per event on stderr ('trace {...}')")
-    p.add_argument("--emulate", default=None, help="this rank's link, e.g. bandwidth=1Gbit,latency=1ms")
-    p.add_argument("--out", default=None, help="directory for each rank's figures and the final parameters")
-    p.add_argument("--checkpoint-dir", default=None, help="where the group writes its sharded checkpoints")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="local steps between checkpoints (0: none)")
-    p.add_argument("--resume", action="store_true", help="start from the newest checkpoint in --checkpoint-dir")
-    p.add_argument("--json", action="store_true", help="rank 0 prints a one-line JSON summary")
-    return p
+def launch(argv: Sequence[str], nproc: int, max_restarts: int) -> int:
+    """Start torchrun's elastic launcher with ``nproc`` workers running :mod:`gossip.node` on ``argv``;
+    returns the launcher's exit status (0: every worker finished)."""
+    import uuid
 
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-def run(args: argparse.Namespace) -> dict:
-    """Train as this process's rank; returns its summary."""
-    groups = tuple(g.strip() for g in args.groups.split(",") if g.strip())
-    if args.group not in groups:
-        raise GroupError(f"--group {args.group} is not in --groups {args.groups}")
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+                          monitor_interval=0.5, start_method="spawn")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
-        timing = Timing(heartbeat=args.heartbeat, dead_after=args.dead_after, join_timeout=args.join_timeout)
-    except ValueError as e:
-        raise GroupError(str(e)) from None
-    mixing = MixingSettings(compression=args.compression, period=args.period, overlap=args.overlap)
-    group = start_group(args.intra, args.device)
+        elastic_launch(config, sys.executable)("-u", "-m", "gossip.node", *argv)
+    except SignalException as e:
+        if e.sigval in (signal.SIGTERM, signal.SIGINT):
+            # the launcher passed the signal on to its workers, and waited for them: rank 0
+            # stopped the group at its next exchange, with a final checkpoint and a goodbye
+            return 0
+        print(f"gossip-node: the group's launcher got signal {int(e.sigval)}", file=sys.stderr)
+        return 1
+    except Exception as e:  # ChildFailedError: a worker failed for good (after its restarts)
+        failures = getattr(e, "failures", None) or {}
+        why = ", ".join(f"rank {r} exited with {f.exitcode}" for r, f in sorted(failures.items())) or \
+            type(e).__name__
+        print(f"gossip-node: the group failed ({why}; their errors are above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_group(cfg: PeerConfig, intra: str, *, on_leader: Any = None) -> dict[str, Any]:
+    """Train as this process's rank of a group started by torchrun; returns its summary.
+    ``on_leader(leader)`` is called on rank 0 before it starts (a progress bar, signals)."""
+    group = start_group(intra, cfg.device)
     try:
-        task = get_task(args.task)
-        model, view = group.wrap(init_model(task, args.seed, "cpu"))
-        optimizer = task.optimizer(model.parameters())
-        k = group.size
-        index = sorted(groups).index(args.group)
-        stream = task.stream(index * k + group.rank, len(groups) * k, "iid", args.seed, group.device)
-        member = GroupMember(group, view, args.group, sorted(groups), mixing=mixing, topology=args.topology,
-                             timeout=args.timeout, emulate=args.emulate, seed=args.seed)
-        life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-        def trace(event: str, fields: dict | None = None) -> None:
-            if args.trace:
-                line = {"event": event, "group": args.group, "rank": group.rank, "pid": os.getpid(), "life": life,
-                        "time": time.time(), **(fields or {})}
-                sys.stderr.write("trace " + json.dumps(line) + "\n")  # one write: the ranks share the stream
-                sys.stderr.flush()
-
-        plane = None
-        if group.rank == 0:
-            plane = member.plane = GroupControl(member, timing=timing,
-                                                on_event=lambda kind, e: trace(kind, {k: v for k, v in e.items()
-                                                                                      if k != "event"}))
-        with member:
-            if plane is not None:
-                plane.start()
-            first = 1
-            if args.resume:
-                path = latest_group_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
-                if path is None:
-                    raise GroupError(f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir}")
-                first = load_group_checkpoint(path, group, model, optimizer, member, stream) + 1
-            member.connect(args.connect_timeout)
-            if member.donor is not None:  # the others train already: a new life, pulling each shard
-                trace("joining", {"donor": member.donor})
-                first = member.join(args.join_timeout) + 1
-                trace("joined", {"donor": member.donor, "step": first - 1, "round": member.node.round})
-            trace("training", {"step": first})
-            loss = float("nan")
-            gaps: list[float] = []  # seconds between the ends of consecutive local steps (waits included)
-            last = time.monotonic()
-            step = first - 1
-            while step < args.steps:
-                step += 1
-                optimizer.zero_grad(set_to_none=True)
-                out = task.loss(model, stream.next())
-                out.backward()
-                optimizer.step()
-                loss = float(out.detach())
-                if step % args.period == 0:
-                    if plane is not None and args.stop_file and os.path.exists(args.stop_file):
-                        plane.request_stop()
-                    member.exchange(step)
-                    if member.stopped:
-                        break
-                    if member.rejoining:  # dropped by a stronger cluster: its shards, and its step
-                        trace("joining", {"donor": member.donor})
-                        step = member.join(args.join_timeout)
-                        trace("joined", {"donor": member.donor, "step": step, "round": member.node.round})
-                    if not view.is_bound():
-                        raise RuntimeError("the model's parameters no longer live in the gossip shard")
-                    if plane is not None:
-                        trace("round", {"round": member.node.round, "step": step, "members": list(member.members)})
-                if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
-                    save_group_checkpoint(args.checkpoint_dir, step, group, model, optimizer, member, stream)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-            member.finish()  # with --overlap, the last round is still in flight
-            summary = member.summary()
-            group.barrier()  # every rank's last round is mixed before the group says goodbye
-            if plane is not None:
-                plane.bye(member.node.round)
-                summary.update(incarnation=plane.incarnation, events=list(plane.events))
-            trace("done", {"step": step, "round": member.node.round})
-        summary.update(loss=loss, steps=args.steps, intra=args.intra, device=str(group.device), first_step=first,
-                       last_step=step, step_gaps=gaps, life=life)
-        full = view.full_state()
-        if args.out:
-            port = args.group.rpartition(":")[2]
-            with open(os.path.join(args.out, f"rank-{port}-{group.rank}.json"), "w") as f:
-                json.dump(summary, f)
-            if group.rank == 0:
-                torch.save(full, os.path.join(args.out, f"params-{port}.pt"))
-        return summary
+        return _run(cfg, group, on_leader)
     finally:
         group.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _run(cfg: PeerConfig, group: Group, on_leader: Any) -> dict[str, Any]:
+    task = get_task(cfg.task)
+    model, view = group.wrap(init_model(task, cfg.seed, "cpu"))
+    optimizer = task.optimizer(model.parameters())
+    link = group.link()
+    k, r = group.size, group.rank
+    member: GroupLeader | GroupFollower
+    if r == 0:
+        member = GroupLeader(cfg, view.flat, view.fingerprint, link, k)
+        if on_leader is not None:
+            on_leader(member)
+    else:
+        member = GroupFollower(cfg, r, view.flat, view.fingerprint, link)
+    resumed = None
+    if cfg.resume:
+        path = latest_group_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        if path is not None:  # (every rank reads the same directory's newest)
+            resumed = load_group_checkpoint(path, group, model, optimizer, view)
+            if r == 0:
+                member.life.resume_step = resumed["step"]
+                member.resumed = (str(path), resumed)
+    loss = math.nan
+    with member:
+        start = member.start()
+        stream = task.stream(start.rank * k + r, start.world * k, cfg.split, cfg.seed, group.device)
+        if resumed is not None and member.node.step <= resumed["step"] and not member.joined:
+            restore_node(member.node, resumed, stream)  # a cluster restarted as a whole: this group's own state
+        step = member.node.step
+        view.after_mix()  # DDP: a joiner's slices taken, the replicas whole again
+        every = cfg.eval_every or max(1, cfg.steps // 10)
+        logging_metrics = bool(cfg.log or cfg.tensorboard)
+        gaps: list[float] = []
+        last = time.monotonic()
+        while step < cfg.steps:
+            step += 1
+            optimizer.zero_grad(set_to_none=True)
+            out = task.loss(model, stream.next())
+            out.backward()
+            optimizer.step()
+            loss = float(out.detach())
+            member.loss = loss
+            if member.step(step):  # an exchange: DDP's replicas whole again, FSDP's shards in place
+                node = member.node
+                if node.state.flat is not view.flat:  # a held send moved the shard to fresh memory
+                    home = view.moved(node.state.flat)
+                    if home is not node.state.flat:
+                        node.state.rehome(into=home)
+                view.after_mix()
+                if not view.is_bound():
+                    raise RuntimeError("the model's parameters no longer live in the gossip shard")
+            if member.stopped:
+                break
+            step = member.node.step  # a new life continues at its donor's step
+            if logging_metrics and step % every == 0:
+                member.record(task.evaluate(model, group.device))  # every rank: FSDP's forward is a collective
+            if cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                save_group_checkpoint(cfg.checkpoint_dir, step, group, model, optimizer, member.node, view, stream,
+                                      members=list(member.node.members))
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+        member.complete_pending()
+        view.after_mix()
+        if cfg.checkpoint_dir:
+            save_group_checkpoint(cfg.checkpoint_dir, member.node.step, group, model, optimizer, member.node, view,
+                                  stream, members=list(member.node.members))
+        evaluation = task.evaluate(model, group.device)  # the whole model, every rank taking part
+        group.barrier()  # every rank's last round is mixed before the group says goodbye
+        member.finish()
+        summary = member.summary(evaluation)
+    summary.update(loss=loss, intra=group.intra, group_size=k, rank=r, device=str(group.device),
+                   max_step_gap_s=max(gaps, default=0.0))
+    return summary
+
+
+class _Slot:
+    """Where slice r of a single process sits (the :class:`~gossip.training.shards.RankPlace`
+    of its view: a group of K with no process group)."""
+
+    def __init__(self, rank: int, size: int, device: Any) -> None:
+        self.rank, self.size, self.device, self.pg = rank, size, device, None
+
+
+def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, Any]:
+    """One process gossiping as a group of ``k`` DDP ranks (``gossip-node --as-group K``), so
+    that it mixes with such groups: its model's flat vector in K slices, slice r exchanged
+    by a thread at ``HOST:PORT+r`` with rank r of the other members, exactly as rank r of a
+    DDP group of K (the same layout and fingerprints). The process trains its one model;
+    the slice threads mix between its steps. Returns rank 0's summary."""
+    import threading
+
+    from gossip.core.state import FlatState
+    from gossip.groups.link import LocalLink
+    from gossip.training.node import resolve_device
+    from gossip.training.shards import ReplicaSlice
+
+    if cfg.checkpoint_dir or cfg.resume:
+        raise ValueError("--as-group does not write or read checkpoints yet: leave out --checkpoint-dir "
+                         "and --resume (a restarted node takes the cluster's state when it joins)")
+    task = get_task(cfg.task)
+    device = resolve_device(cfg.device)
+    model = init_model(task, cfg.seed, device)
+    state = FlatState(model)
+    views = [ReplicaSlice(state, _Slot(r, k, device)) for r in range(k)]
+    optimizer = task.optimizer(model.parameters())
+    link = LocalLink(k)
+    leader = GroupLeader(cfg, views[0].flat, views[0].fingerprint, link.rank(0), k)
+    if on_leader is not None:
+        on_leader(leader)
+    followers = [GroupFollower(cfg, r, views[r].flat, views[r].fingerprint, link.rank(r)) for r in range(1, k)]
+    ranks: list[GroupLeader | GroupFollower] = [leader, *followers]
+    step_ready = threading.Barrier(k)  # the process's step is done: every slice's exchange may run
+    step_mixed = threading.Barrier(k)  # every slice mixed: the next step may run
+    errors: list[BaseException] = []
+
+    def follow(member: GroupFollower) -> None:
+        try:
+            with member:
+                member.start()
+                step = member.node.step
+                while True:
+                    step_ready.wait()
+                    if leader.stopped or step >= cfg.steps or errors:
+                        break
+                    step += 1
+                    member.step(step)
+                    step_mixed.wait()
+                    step = member.node.step
+                member.complete_pending()
+                member.finish()
+        except threading.BrokenBarrierError:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+            step_ready.abort()
+            step_mixed.abort()
+
+    threads = [threading.Thread(target=follow, args=(f,), name=f"slice-{f.rank}", daemon=True) for f in followers]
+    for t in threads:
+        t.start()
+    loss = math.nan
     try:
-        summary = run(args)
-    except GroupError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json and summary["rank"] == 0:
-        print(json.dumps({k: v for k, v in summary.items() if k != "sent_sizes"}))
-    return 0
-
-
-if __name__ == "__main__":
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack (a rank that hangs)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
-    sys.exit(main())
+        with leader:
+            start = leader.start()
+            streams = [task.stream(start.rank * k + r, start.world * k, cfg.split, cfg.seed, device)
+                       for r in range(k)]  # this member's share of the data: K ranks' streams
+            step = leader.node.step
+            while step < cfg.steps and not errors:
+                optimizer.zero_grad(set_to_none=True)
+                batch = tuple(torch.cat(parts) for parts in zip(*(s.next() for s in streams)))
+                out = task.loss(model, batch)  # the K ranks' batches at once: DDP's gradient
+                out.backward()
+                optimizer.step()
+                loss = float(out.detach())
+                leader.loss = loss
+                step += 1
+                step_ready.wait()
+                leader.step(step)
+                step_mixed.wait()
+                for r, member in enumerate(ranks):  # a send held in place moved a slice: put it back
+                    node = member.node
+                    if node.state.flat.data_ptr() != views[r].flat.data_ptr():
+                        views[r].flat.copy_(node.state.flat)
+                        node.state.rehome(into=views[r].flat)
+                if leader.stopped:
+                    break
+                step = leader.node.step
+            step_ready.wait()  # the slice threads see the end
+            leader.complete_pending()
+            evaluation = task.evaluate(model, device)
+            leader.finish()  # serves joiners, then tells the slices to exit
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            summary = leader.summary(evaluation)
+    except threading.BrokenBarrierError:
+        raise errors[0] if errors else RuntimeError("a slice thread stopped") from None
+    except BaseException:
+        step_ready.abort()
+        step_mixed.abort()
+        raise
+    summary.update(loss=loss, intra="slices", group_size=k, rank=0, device=str(device))
+    return summary

@@ -66,7 +66,7 @@ class Peer:
     """
 
     def __init__(self, config: PeerConfig, task: Any = None, *, model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, fingerprint: str | None = None) -> None:
         if config.tensorboard:
             from gossip.peer.tensorboard_log import require_tensorboard
 
@@ -81,7 +81,7 @@ class Peer:
         if model is not None:  # a training loop of the caller's own (gossip.peer.user_loop.GossipNode)
             the_task = None
             device = next(model.parameters()).device
-            fingerprint = fingerprint_of(model)
+            fingerprint = fingerprint or fingerprint_of(model)  # (a group's: its shard layout)
             self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         else:
             the_task = get_task(config.task if task is None else task)
@@ -98,6 +98,7 @@ class Peer:
         self.task, self.device, self.fingerprint = the_task, device, fingerprint
         self.inbound: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.on_step: Any = None  # called with this peer after every training step (gossip-node's progress bar)
+        self.on_tick: Any = None  # called on the I/O thread after every tick of the control plane
         self.life = Lifecycle(config, task=the_task, device=device, fingerprint=fingerprint,
                               incarnation=incarnation, send=self._send_message,
                               reconnect=self._reconnect, new_incarnation=_wall_incarnation, origin=self.t0,
@@ -202,6 +203,8 @@ class Peer:
         self.control.apply(fx)
         for d in fx.dead:
             self.transport.forget(d)
+        if self.on_tick is not None:
+            self.on_tick()
 
     def _link_class(self, u: str, v: str) -> str:
         """intra or inter: whether the two members carry different datacenter labels.
@@ -375,6 +378,7 @@ class Peer:
         node = self.node
         return node.neighbor_distance() if node is not None else math.nan
 
-    def summary(self) -> dict[str, Any]:
-        """The final figures (``gossip-node --json``)."""
-        return self.report.summary(self.clock() - self.t0)
+    def summary(self, evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The final figures (``gossip-node --json``); ``evaluation``: the model's, when the
+        caller evaluated it (a group's whole model), else the task's of the node's own."""
+        return self.report.summary(self.clock() - self.t0, evaluation)

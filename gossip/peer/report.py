@@ -50,12 +50,13 @@ class Reporter:
             self.metrics.close()
             self.metrics = None
 
-    def start_training(self, elapsed: float) -> None:
-        """The starting point of every curve (``elapsed``: seconds since the peer started)."""
+    def start_training(self, elapsed: float, evaluate: bool = True) -> None:
+        """The starting point of every curve (``elapsed``: seconds since the peer started;
+        ``evaluate=False``: the caller records its evaluations itself, a group's)."""
         node, cfg = self.life.node, self.life.cfg
         self.last_eval = node.step
         self.every = cfg.eval_every or max(1, cfg.steps // 10)
-        if self.metrics is not None:
+        if self.metrics is not None and evaluate:
             self.log_metrics("eval", time=elapsed)
 
     def after_step(self, elapsed: float) -> None:
@@ -64,11 +65,15 @@ class Reporter:
             self.last_eval = node.step
             self.log_metrics("eval", time=elapsed)
 
-    def log_metrics(self, event: str, extra: dict | None = None, *, time: float = 0.0) -> dict[str, Any]:
+    def log_metrics(self, event: str, extra: dict | None = None, *, time: float = 0.0,
+                    evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One metrics record; ``evaluation`` is the model's when the caller evaluated it (a
+        group's whole model), else the task's evaluation of the node's own."""
         life = self.life
         node = life.node
         assert node is not None
-        ev = life.task.evaluate(node.model, life.device) if life.task is not None else {}
+        ev = evaluation if evaluation is not None else \
+            life.task.evaluate(node.model, life.device) if life.task is not None else {}
         rec = {"event": event, "node": life.id, "time": time, "step": node.step,
                "round": node.round, "members": len(node.members), "train_loss": node.pop_mean_loss(), "loss": ev.get("loss"),
                "accuracy": ev.get("accuracy"), "neighbor_distance": node.neighbor_distance(),
@@ -81,8 +86,8 @@ class Reporter:
             self.metrics.flush()
         return rec
 
-    def summary(self, wall_time: float) -> dict[str, Any]:
-        """The final figures (``gossip-node --json``)."""
+    def summary(self, wall_time: float, evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The final figures (``gossip-node --json``); ``evaluation`` as for :meth:`log_metrics`."""
         life, transport = self.life, self.transport
         node, cfg = life.node, life.cfg
         sent, received = transport.bytes_sent, transport.bytes_received
@@ -97,7 +102,8 @@ class Reporter:
             rejected.update(node.rejected)
         out: dict[str, Any] = {"node": life.id, "steps": node.step if node else 0, "rounds": node.round if node else 0}
         if node is not None:
-            ev = life.task.evaluate(node.model, life.device) if life.task is not None else {}
+            ev = evaluation if evaluation is not None else \
+                life.task.evaluate(node.model, life.device) if life.task is not None else {}
             out.update(final_loss=ev.get("loss"), final_accuracy=ev.get("accuracy"),
                        params_sha256=node.state.sha256(), neighbor_distance=node.neighbor_distance(),
                        missing_neighbors=node.mix_totals.missing, members=len(node.members))

@@ -43,12 +43,14 @@ class Joining:
         self.state_step = 0  # the step of the member state taken (state_from's)
         self.resumed_from: str | None = None
         self.took: tuple[str, str] | None = None  # (donor, sha256) with life.audit
+        self.took_from: tuple[str, int] | None = None  # (donor, round of its state) this life adopted
+        self.asking = False  # waiting for a reply it asked for (a group asks again after its start: see pull_again)
 
     def offer(self, msg: Message) -> bool:
         """A state reply arrived; False if nobody asked for it."""
         life = self.life
-        if life.node is not None and life.status == "waiting" and msg.fingerprint == life.fingerprint \
-                and len(self.replies) < 8:
+        if life.node is not None and (life.status == "waiting" or self.asking) \
+                and msg.fingerprint == life.fingerprint and len(self.replies) < 8:
             self.replies.append(msg)
             return True
         return False
@@ -127,36 +129,75 @@ class Joining:
                            and table[m].status in ("training", "done")]
             candidates = [m for m in candidates if m in serving] or serving or candidates
             donor = candidates[attempt % len(candidates)]
-            life.send_message(donor, Message("state-request", life.id, start_round, 0, 0, None, None,
-                                             {"inc": life.incarnation}, life.fingerprint))
-            now = yield POLL0
-            deadline = now + max(2.0, cfg.timeout)
-            while now < deadline and not self.replies:
-                now = yield Poll(min(POLL, deadline - now))
-            for reply in self.replies:
-                if reply.sender == donor and reply.data is not None \
-                        and reply.data.numel == node.handover_numel(reply.extra):
-                    values = decode_payload(reply, node.state.flat)
-                    if all_finite(values):
-                        node.adopt_handover(values, reply.extra)  # parameters, and any outer momentum
-                        if life.audit:
-                            self.took = (donor, sha256_of(node.state.flat))
-                        # a joiner that fell behind (slow start, a busy machine) starts at the
-                        # donor's round: the cluster went on without it, and its members drop
-                        # messages of rounds they have finished
-                        start_round = max(start_round, reply.round)
-                        node.jump_to(self._join_step(start_round))
-                        if reply.weight is not None and node.rule.weight is not None:
-                            node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
-                        self.state_from, self.state_step = donor, reply.progress
-                        log.info("%s: took the state of %s (its step %d); joining at round %d", life.id, donor,
-                                 reply.progress, start_round)
-                        self.replies.clear()
-                        return
-            self.replies.clear()
+            if (yield from self._ask(donor, start_round, -1)):
+                return
             log.warning("%s: no state from %s yet; asking another member", life.id, donor)
         node.jump_to(self._join_step(start_round))
         log.warning("%s: no member sent its state; joining with a fresh model", life.id)
+
+    def pull_again(self, donor: str, after_round: int) -> Program:
+        """Ask for the state again (a group whose other ranks missed their shards of round
+        ``after_round``: the donor's ranks hand theirs over anew, at a later round): ``donor``
+        twice, then the other members that train (the donor may have died, stalled, or
+        started a new life). Returns whether one came."""
+        life = self.life
+        node = life.node
+        assert node is not None
+        for attempt in range(6):
+            who = donor
+            if attempt >= 2:
+                with life.lock:
+                    table = life.membership.members
+                    others = [m for m in node.members if m not in (life.id, donor) and m in table
+                              and table[m].status in ("training", "done")]
+                who = others[attempt % len(others)] if others else donor
+            if (yield from self._ask(who, node.round, after_round)):
+                return True
+        log.warning("%s: no member sent its state again after round %d; the ranks that missed their shard keep "
+                    "their own (the mixing brings them to the cluster's)", life.id, after_round)
+        return False
+
+    def _ask(self, donor: str, start_round: int, after_round: int) -> Program:
+        """Ask ``donor`` for its state and adopt a reply of a round after ``after_round``;
+        returns whether one came."""
+        life = self.life
+        node, cfg = life.node, life.cfg
+        assert node is not None
+        self.replies.clear()
+        life.send_message(donor, Message("state-request", life.id, start_round, 0, 0, None, None,
+                                         {"inc": life.incarnation}, life.fingerprint))
+        self.asking = True
+        try:
+            now = yield POLL0
+            # a group hands its state over at its next exchange, which may be a while
+            deadline = now + max(2.0, cfg.timeout) * (1 if life.group_size == 1 else 1.5)
+            while now < deadline and not any(r.sender == donor and r.round > after_round for r in self.replies):
+                now = yield Poll(min(POLL, deadline - now))
+        finally:
+            self.asking = False
+        for reply in self.replies:
+            if reply.sender == donor and reply.round > after_round and reply.data is not None \
+                    and reply.data.numel == node.handover_numel(reply.extra):
+                values = decode_payload(reply, node.state.flat)
+                if all_finite(values):
+                    node.adopt_handover(values, reply.extra)  # parameters, and any outer momentum
+                    if life.audit:
+                        self.took = (donor, sha256_of(node.state.flat))
+                    # a joiner that fell behind (slow start, a busy machine) starts at the
+                    # donor's round: the cluster went on without it, and its members drop
+                    # messages of rounds they have finished
+                    start_round = max(start_round, reply.round)
+                    node.jump_to(self._join_step(start_round))
+                    if reply.weight is not None and node.rule.weight is not None:
+                        node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
+                    self.state_from, self.state_step = donor, reply.progress
+                    self.took_from = (donor, reply.round)
+                    log.info("%s: took the state of %s (its step %d); joining at round %d", life.id, donor,
+                             reply.progress, start_round)
+                    self.replies.clear()
+                    return True
+        self.replies.clear()
+        return False
 
     def _join_step(self, start_round: int) -> int:
         """The local step a joiner continues from: its join round's first step; a join
@@ -164,7 +205,7 @@ class Joining:
         final state. A training loop of the user's own has no step budget: no cap."""
         life = self.life
         step = start_round * life.cfg.period
-        return step if life.user_model is not None else min(step, life.cfg.steps)
+        return min(step, life.cfg.steps) if life.step_budget else step
 
     def align_start(self, mode: str) -> None:
         """With --resume, start where the starters are: a cluster restarted as a whole

@@ -101,6 +101,9 @@ class Lifecycle:
         self.origin = origin
         self.live_sends = live_sends
         self.user_model, self.user_optimizer = model, optimizer
+        # the run ends after cfg.steps local steps (a task's, a group's), so a join past the end
+        # holds the final state; a training loop of the user's own (GossipNode) has no budget
+        self.step_budget = model is None
         self.send_message = send
         self.new_incarnation = new_incarnation
         self.lock = threading.RLock()  # the member table, shared with the driver's I/O side
@@ -150,6 +153,12 @@ class Lifecycle:
         self.audit = False
         self.handed: list[tuple[str, str]] = []
         self.on_node: Callable[[Node], None] | None = None  # called with each life's node once built
+        # a group of several ranks (gossip.protocol.group): a joiner's state request waits for the
+        # group's next exchange, where every rank hands its shard over at once (take_handovers)
+        self.group_size = 1
+        self.handovers: list[str] = []
+        # a group's rank 0 may hand over at once instead (gossip.peer.group): called with the joiner
+        self.on_state_request: Callable[[str], None] | None = None
         self.joining = Joining(self)  # joins: the round, the state pulled, --resume
 
     # the join's outcome, as the reports read it
@@ -293,6 +302,7 @@ class Lifecycle:
             if mode in ("fresh", "alone"):
                 self.membership.start(self.membership.ids() if mode == "fresh" else [self.id])
         start_round = 0
+        self.joining.took_from = None
         if mode == "join":
             start_round = yield from self.joining.await_round()
         with self.lock:
@@ -585,13 +595,13 @@ class Lifecycle:
         elif msg.kind == "state-request":
             if node is None or self.status == "waiting":
                 return
-            snap, extra = node.handover()  # the parameters, and any outer optimizer's momentum
-            if self.audit:
-                self.handed.append((str(msg.sender), sha256_of(node.state.flat)))
-            weight = node.rule.weight
-            reply = Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
-                            weight, {"inc": self.incarnation, **extra}, self.fingerprint)
-            self.send_message(msg.sender, reply)
+            if self.group_size > 1:
+                if self.on_state_request is not None:
+                    self.on_state_request(str(msg.sender))
+                elif msg.sender not in self.handovers and len(self.handovers) < AHEAD:
+                    self.handovers.append(str(msg.sender))
+                return
+            self.send_message(msg.sender, self.state_reply(str(msg.sender)))
         elif msg.kind == "average":  # a collective of a training loop of the user's own (GossipNode)
             if self.on_average is not None:
                 self.on_average(msg)
@@ -599,6 +609,21 @@ class Lifecycle:
             # wanted only while a joiner pulls a state, and a few at most: each holds a whole model
             if not self.joining.offer(msg):
                 self.control.reject(str(msg.sender), "unsolicited", "a state-reply nobody asked for")
+
+    def state_reply(self, to: str) -> Message:
+        """This node's state for joiner ``to``: the parameters, and any outer optimizer's momentum."""
+        node = self.node
+        assert node is not None
+        snap, extra = node.handover()
+        if self.audit:
+            self.handed.append((to, sha256_of(node.state.flat)))
+        return Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
+                       node.rule.weight, {"inc": self.incarnation, **extra}, self.fingerprint)
+
+    def take_handovers(self) -> list[str]:
+        """The joiners whose state requests wait for the group's next exchange (and forget them)."""
+        out, self.handovers = self.handovers, []
+        return out
 
     def incarnation_of(self, sender: str) -> int | None:
         with self.lock:

@@ -45,12 +45,15 @@ from gossip.core.actions import Compute, Poll, Release, Send
 from gossip.core.message import Message
 from gossip.core.state import FlatState
 from gossip.protocol.config import PeerConfig
+from gossip.protocol.group import ShardFollower, ShardModule, group_of, rank_address
+from gossip.protocol.ranks import GroupFollow, GroupLead
 from gossip.protocol.errors import PeerError
 from gossip.protocol.lifecycle import Lifecycle
 from gossip.protocol.timing import Timing
 from gossip.training.node import init_model
 from gossip.training.tasks import get_task
 from gossip.transport import wire
+from gossip.sim.groups import BARRIER, SimGroup, SimLink, follow_program, lead_program
 from gossip.transport.links import LinkModel, SimNetwork
 
 __all__ = ["SimCluster", "SimProcess", "FAST", "node_id"]
@@ -60,7 +63,7 @@ log = logging.getLogger("gossip.simcluster")
 #: the settings of the real-process fault tests (tests/peer/test_faults_real.py ``FAST``)
 FAST: dict[str, Any] = dict(timing=Timing.fast(), timeout=5.0)
 
-RESUME, FRAMES, TICK, FAULT = range(4)
+RESUME, FRAMES, TICK, FAULT, LINK = range(5)
 
 
 def node_id(i: int) -> str:
@@ -92,6 +95,12 @@ class SimProcess:
     after_finish: bool = False  # it started when another process had finished, or was a join margin from it
     drift: float = 0.0        # its clock runs at (1 + drift) times virtual time ...
     offset: float = 0.0       # ... from this reading at virtual time 0
+    member: int = -1          # a rank of a group: the member's index (rank 0 is the member's process)
+    rank: int = 0             # ... and its rank
+    lead: Any = None          # rank 0 of a group: its GroupLead; rank r > 0: its GroupFollow is ``follow``
+    follow: Any = None
+    group: Any = None         # the group's current life (gossip.sim.groups.SimGroup)
+    rounds: dict = field(default_factory=dict)  # (start count, round) -> the members it mixed with (groups)
 
     def local(self, t: float) -> float:
         """Its clock's reading at virtual time ``t``."""
@@ -124,6 +133,12 @@ class SimCluster:
     inter_link : the model of links between processes of different ``dc`` labels (default: none;
         every link is ``link``, of class intra)
     device : the device every process trains on
+    group : ranks per member (default 1: single-process nodes). With K > 1 each member is
+        a group of K processes (:mod:`gossip.sim.groups`): rank 0 leads, rank r exchanges
+        its slice with rank r of the other members; faults by member index act on every
+        rank, :meth:`crash` and :meth:`stall` take ``rank=`` for one rank only
+    restart_after : a group's launcher starts every rank again this many seconds after one
+        of them died (``crash(i, rank=r)``)
     """
 
     def __init__(self, n: int, *, steps: int = 200, seed: int = 0, link: LinkModel | None = None,
@@ -132,9 +147,14 @@ class SimCluster:
                  checkpoint_dir: Callable[[int], str | None] | None = None, model_seed: int = 0,
                  duplicate: float = 0.0, reorder: float = 0.0, reorder_by: float = 0.05,
                  configure: Callable[[int], dict[str, Any]] | None = None, inter_link: LinkModel | None = None,
-                 device: str = "cpu", **options: Any) -> None:
+                 device: str = "cpu", group: int = 1, restart_after: float = 1.0, **options: Any) -> None:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive integer, got {n!r}")
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise ValueError(f"group must be a positive integer (ranks per member), got {group!r}")
+        if not restart_after > 0:
+            raise ValueError(f"restart_after must be > 0 seconds, got {restart_after!r}")
+        self.group, self.restart_after, self.model_seed = group, float(restart_after), model_seed
         for name, prob in (("duplicate", duplicate), ("reorder", reorder)):
             if not 0 <= prob < 1:
                 raise ValueError(f"{name} must be a probability in [0, 1), got {prob!r}")
@@ -171,8 +191,18 @@ class SimCluster:
             own = {**settings, **configure(i)} if configure is not None else settings
             cfg = PeerConfig(listen=node_id(i), peers=tuple(node_id(j) for j in peers(i) if j != i), steps=steps,
                              seed=model_seed, checkpoint_dir=ck, **own)
-            self.procs.append(SimProcess(i, node_id(i), cfg))
-        self.by_id = {p.id: p for p in self.procs}
+            self.procs.append(SimProcess(i, node_id(i), cfg, member=i))
+        self.all = list(self.procs)  # every process (a group's ranks 1..K-1 after the members)
+        self.ranks: list[list[SimProcess]] = [[p] for p in self.procs]  # each member's processes, by rank
+        if group > 1:
+            self.fingerprints = [SimGroup.fingerprint(self.task, model_seed, group, r) for r in range(group)]
+            self.fingerprint = self.fingerprints[0]
+            for i, p in enumerate(self.procs):
+                for r in range(1, group):
+                    q = SimProcess(len(self.all), rank_address(p.id, r), p.cfg, member=i, rank=r)
+                    self.all.append(q)
+                    self.ranks[i].append(q)
+        self.by_id = {p.id: p for p in self.all}
         self.frames_sent = 0
         self.frames_lost = 0
         self.log: list[tuple[float, str]] = []  # the faults applied, when
@@ -197,19 +227,34 @@ class SimCluster:
         (``resume``: with ``--resume``, reading its checkpoint directory)."""
         self.at(at, f"start {i}" + (" --resume" if resume else ""), lambda: self._start(i, resume))
 
-    def crash(self, i: int, *, at: float) -> None:
-        """Process ``i`` dies at ``at`` (SIGKILL: no goodbye)."""
-        self.at(at, f"crash {i}", lambda: self._crash(i))
+    def crash(self, i: int, *, at: float, rank: int | None = None, restart_after: float | None = None) -> None:
+        """Process ``i`` dies at ``at`` (SIGKILL: no goodbye); every rank of a group. With
+        ``rank``: that rank of group ``i`` dies, which takes the group down, and its launcher
+        starts every rank again ``restart_after`` seconds later (default: the cluster's; with
+        ``--resume`` as configured)."""
+        if rank is None:
+            self.at(at, f"crash {i}", lambda: self._crash(i))
+            return
+        if not 0 <= rank < self.group:
+            raise ValueError(f"rank must be in 0..{self.group - 1}, got {rank!r}")
+        back = self.restart_after if restart_after is None else float(restart_after)
+        if not back > 0:
+            raise ValueError(f"restart_after must be > 0 seconds, got {restart_after!r}")
+        self.at(at, f"crash {i} rank {rank}", lambda: self._crash(i))
+        self.at(at + back, f"launcher restarts {i}", lambda: self._start(i, self.procs[i].cfg.resume))
 
-    def stall(self, i: int, *, at: float, until: float) -> None:
-        """Process ``i`` does not run from ``at`` to ``until`` (SIGSTOP, then SIGCONT)."""
-        self.at(at, f"stall {i}", lambda: self._stall(i))
-        self.at(until, f"continue {i}", lambda: self._continue(i))
+    def stall(self, i: int, *, at: float, until: float, rank: int | None = None) -> None:
+        """Process ``i`` does not run from ``at`` to ``until`` (SIGSTOP, then SIGCONT); every
+        rank of a group, or only ``rank`` (whose group then waits for it at its next step)."""
+        which = range(self.group) if rank is None else [rank]
+        what = f"{i}" if rank is None else f"{i} rank {rank}"
+        self.at(at, f"stall {what}", lambda: [self._stall(self.ranks[i][r]) for r in which])
+        self.at(until, f"continue {what}", lambda: [self._continue(self.ranks[i][r]) for r in which])
 
     def stop(self, i: int, *, at: float) -> None:
         """Process ``i`` is asked to stop at ``at`` (SIGTERM: after its current step, with a goodbye)."""
         def act() -> None:
-            p = self.procs[i]
+            p = self.procs[i]  # (a group's launcher passes the signal on: rank 0 decides the stop)
             if p.up and p.life is not None:
                 p.life.interrupted = True
                 p.life.stop.set()
@@ -217,7 +262,7 @@ class SimCluster:
 
     def partition(self, groups: Sequence[Sequence[int]], *, at: float, until: float | None = None) -> None:
         """From ``at`` (to ``until``, if given) the groups cannot reach each other."""
-        ids = [[node_id(i) for i in g] for g in groups]
+        ids = [[q.id for i in g for q in self.ranks[i]] for g in groups]
         self.at(at, f"partition {[list(g) for g in groups]}", lambda: self.network.partition(ids))
         if until is not None:
             self.heal(at=until)
@@ -231,7 +276,7 @@ class SimCluster:
         sends, from its own start: the two sides of such a cut begin and end apart)."""
         if not until > at:
             raise ValueError(f"cut needs until > at, got at={at!r}, until={until!r}")
-        pairs = [(node_id(i), node_id(j)) for i in src for j in dst if i != j]
+        pairs = [(a.id, b.id) for i in src for j in dst if i != j for a in self.ranks[i] for b in self.ranks[j]]
         what = f"{list(src)} -> {list(dst)}"
         self.at(at, f"cut {what}", lambda: self.network.cut(pairs))
         self.at(until, f"uncut {what}", lambda: self.network.cut(pairs, on=False))
@@ -241,8 +286,10 @@ class SimCluster:
         ``delay`` seconds longer (a congested path: later ones may overtake them)."""
         if not (delay >= 0 and until > at):
             raise ValueError(f"spike needs delay >= 0 and until > at, got delay={delay!r}, at={at!r}, until={until!r}")
-        for pair in ((node_id(i), node_id(j)), (node_id(j), node_id(i))):
-            self.spikes.setdefault(pair, []).append((at, until, delay))
+        for a in self.ranks[i]:
+            for b in self.ranks[j]:
+                for pair in ((a.id, b.id), (b.id, a.id)):
+                    self.spikes.setdefault(pair, []).append((at, until, delay))
 
     def clock(self, i: int, *, drift: float = 0.0, offset: float = 0.0) -> None:
         """Process ``i``'s clock runs at ``1 + drift`` times virtual time and reads ``offset``
@@ -256,31 +303,54 @@ class SimCluster:
     # -- processes ---------------------------------------------------------------------------
     def _start(self, i: int, resume: bool) -> None:
         p = self.procs[i]
-        if p.up:
+        if any(q.up for q in self.ranks[i]):
             return
-        if p.life is not None:
-            p.lives.append(self._result(p))
         cfg = p.cfg
         if resume != cfg.resume:
             import dataclasses
 
             cfg = dataclasses.replace(cfg, resume=resume)
-        p.epoch += 1
-        self._up += 1
-        p.up, p.stalled, p.polling, p.primed, p.resume_due = True, False, False, False, False
-        p.backlog, p.exit, p.started_at = [], None, self.now
+        for q in self.ranks[i]:
+            if q.life is not None or q.follow is not None:
+                q.lives.append(self._result(q))
+            q.epoch += 1
+            self._up += 1
+            q.up, q.stalled, q.polling, q.primed, q.resume_due = True, False, False, False, False
+            q.backlog, q.exit, q.started_at, q.rounds = [], None, self.now, {}
         others = [q for q in self.procs if q is not p]
         p.after_finish = any(q.exit == "done" or (q.up and q.life is not None and self._finishing(q)) for q in others)
         local = p.local
         first = 10**6 + int(local(self.now) * 1e6) + p.epoch  # later processes have later lives, as on a wall clock
-        p.life = Lifecycle(cfg, task=self.task, device=self.device, fingerprint=self.fingerprint,
-                           incarnation=first, send=lambda dst, msg, p=p: self._send(p, dst, msg, False),
+        group = None
+        if self.group > 1:  # a group's life: its model, its store, its K processes
+            group = SimGroup(i, self.group, self.task, self.model_seed,
+                             SimLink(self.group, lambda: self.now, lambda r, d, i=i: self._wake_rank(i, r, d)),
+                             split=cfg.split)
+        p.life = Lifecycle(cfg, task=self.task if group is None else None, device=self.device,
+                           fingerprint=self.fingerprint, incarnation=first,
+                           send=lambda dst, msg, p=p: self._send(p, dst, msg, False),
                            reconnect=lambda peer: None, origin=local(self.now), clock=lambda: local(self.now),
-                           new_incarnation=lambda prev: max(10**6 + int(local(self.now) * 1e6), prev + 1))
+                           new_incarnation=lambda prev: max(10**6 + int(local(self.now) * 1e6), prev + 1),
+                           model=None if group is None else ShardModule(group.views[0].flat))
         p.life.audit = True  # record the states handed over and taken (gossip.sim.explore checks them)
         p.life.on_node = lambda node, p=p: self._audit_mixing(p, node)
-        p.program = p.life.program()
-        self._push(self.now, RESUME, i, (p.epoch, p.token))
+        if group is None:
+            p.program = p.life.program()
+        else:
+            p.group = group
+            p.lead = GroupLead(p.life, self.group, group.link.rank(0), group.views[0].flat)
+            p.program = lead_program(p.lead, group, cfg.steps, origin=local(self.now))
+            for q in self.ranks[i][1:]:
+                r = q.rank
+                f = ShardFollower(r, p.id, group.views[r].flat, self.fingerprints[r], mixing=cfg.mixing,
+                                  topology=cfg.topology, timeout=cfg.timeout, seed=cfg.seed)
+                f.on_node = lambda node, q=q: self._audit_mixing(q, node)
+                q.group, q.life = group, None
+                q.follow = GroupFollow(f, group.link.rank(r), send=lambda dst, msg, q=q: self._send(q, dst, msg, False),
+                                       timeout=cfg.timeout, origin=q.local(self.now))
+                q.program = follow_program(q.follow, group, cfg.steps)
+        for q in self.ranks[i]:
+            self._push(self.now, RESUME, q.index, (q.epoch, q.token))
         self._push(self.now, TICK, i, p.epoch)
 
     @staticmethod
@@ -296,40 +366,82 @@ class SimCluster:
             and node.round + cfg.timing.join_margin >= cfg.steps // cfg.mixing.period
 
     def _crash(self, i: int) -> None:
-        p = self.procs[i]
-        if p.up:
-            self._up -= 1
-            p.up, p.exit = False, "crashed"
-            p.epoch += 1
-            p.program = None
+        for p in self.ranks[i]:  # a group: torchrun ends every rank when one dies
+            if p.up:
+                self._up -= 1
+                p.up, p.exit = False, "crashed"
+                p.epoch += 1
+                p.program = None
 
-    def _stall(self, i: int) -> None:
-        p = self.procs[i]
+    def _stall(self, p: SimProcess | int) -> None:
+        p = self.procs[p] if isinstance(p, int) else p
         if p.up:
             p.stalled = True
 
-    def _continue(self, i: int) -> None:
-        p = self.procs[i]
+    def _continue(self, p: SimProcess | int) -> None:
+        p = self.procs[p] if isinstance(p, int) else p
         if not (p.up and p.stalled):
             return
         p.stalled = False
-        assert p.life is not None
-        p.life.control.apply(p.life.control.tick(p.local(self.now)))  # it runs again: first it sees the gap
+        if p.life is not None:
+            p.life.control.apply(p.life.control.tick(p.local(self.now)))  # it runs again: first it sees the gap
         backlog, p.backlog = p.backlog, []
         for sender, frames in backlog:
             self._receive(p, sender, frames)
-        self._push(self.now, TICK, i, p.epoch)
+        if p.rank == 0:
+            self._push(self.now, TICK, p.index, p.epoch)
         if p.resume_due:
             p.resume_due = False
             self._wake(p)
+        elif p.group is not None and p.rank in p.group.parked:
+            self._collective(p.group)  # the group waited for this rank at its next step
 
     def _exit(self, p: SimProcess, how: str) -> None:
-        assert p.life is not None
-        if how == "done":  # Peer.close: a goodbye, so nobody waits for a timeout
+        if how == "done" and p.life is not None:  # Peer.close: a goodbye, so nobody waits for a timeout
             p.life.control.apply(p.life.control.goodbye("done" if not p.life.interrupted else "stopped"))
         self._up -= 1
         p.up, p.exit, p.program = False, how, None
         p.epoch += 1
+        if p.group is not None:
+            p.group.done.add(p.rank)
+            if how != "done":  # a rank failed: torchrun ends the group (no restart for an error)
+                for q in self.ranks[p.member]:
+                    if q.up:
+                        self._exit(q, how)
+            else:
+                self._collective(p.group)
+
+    # -- groups ------------------------------------------------------------------------------
+    def _wake_rank(self, i: int, r: int, delay: float) -> None:
+        """Something rank ``r`` of group ``i`` may wait for was written to the group's store;
+        readable ``delay`` seconds from now: a rank that polls then is resumed."""
+        q = self.ranks[i][r]
+        self._push(self.now + delay, LINK, q.index, q.epoch)
+
+    def _park(self, p: SimProcess, what: Any) -> None:
+        """Rank ``p`` reached a collective (a step's, or the barrier before the goodbye)."""
+        p.group.parked[p.rank] = what
+        self._collective(p.group)
+
+    def _collective(self, g: SimGroup) -> None:
+        """When every running rank of ``g`` waits in the same collective (none stalled), it
+        completes: the group's model steps once, and every rank resumes after the step."""
+        ranks = [q for q in self.ranks[g.index] if q.group is g and q.rank not in g.done]
+        if not g.parked or any(q.rank not in g.parked or q.stalled or not q.up for q in ranks):
+            return
+        kinds = set(g.parked.values())
+        if len(kinds) > 1:
+            raise RuntimeError(f"group {g.index}: ranks wait in different collectives {g.parked}")
+        step = kinds.pop() is not BARRIER
+        g.parked = {}
+        if step:
+            g.train_step()
+            if self.on_step is not None:
+                self.on_step(self.procs[g.index])
+        delay = self.step_time(g.index) if step else 0.0
+        for q in ranks:
+            q.token += 1
+            self._push(self.now + delay, RESUME, q.index, (q.epoch, q.token))
 
     def _audit_mixing(self, p: SimProcess, node: Any) -> None:
         """Check every message a synchronous round of ``node`` takes to mix: it is of
@@ -371,8 +483,16 @@ class SimCluster:
             self._push(arrival + self.rng.uniform(0.0, self.reorder_by), FRAMES, target.index, (p.id, frames))
 
     def _receive(self, p: SimProcess, sender: str, frames: list[bytes]) -> None:
-        assert p.life is not None
-        p.life.control.on_frames(sender.encode(), frames)
+        if p.life is not None:
+            p.life.control.on_frames(sender.encode(), frames)
+        elif p.follow is not None:  # a group's rank r > 0: shard traffic only (GroupFollower._on_frames)
+            try:
+                msg = wire.decode(frames)
+            except wire.WireError:
+                return
+            if msg.sender != sender:
+                return
+            p.follow.f.handle(msg)
         if p.polling:
             self._wake(p)
 
@@ -396,6 +516,8 @@ class SimCluster:
                 log.warning("%s: %s", p.id, e)
                 self._exit(p, f"error: {e}")
                 return
+            if p.rounds is not None and p.group is not None:
+                self._audit_rounds(p)
             kind = type(action)
             if kind is Poll:
                 if action.timeout <= 0:
@@ -403,6 +525,9 @@ class SimCluster:
                 p.polling = True
                 p.token += 1
                 self._push(self.now + p.span(action.timeout), RESUME, p.index, (p.epoch, p.token))
+                return
+            if p.group is not None and (kind is Compute or action is BARRIER):
+                self._park(p, action)
                 return
             if kind is Compute:
                 if self.on_step is not None:
@@ -433,7 +558,7 @@ class SimCluster:
                 self.log.append((t, what))
                 action()
                 continue
-            p = self.procs[i]
+            p = self.all[i]
             if not p.up:
                 continue
             if kind == FRAMES:
@@ -442,12 +567,18 @@ class SimCluster:
                     p.backlog.append(data)
                 else:
                     self._receive(p, *data)
+            elif kind == LINK:  # the group's store: what a polling rank waits for may be there
+                if data == p.epoch and p.polling and not p.stalled:
+                    self.now = t
+                    self._wake(p)
             elif kind == TICK:
                 if data != p.epoch or p.stalled:
                     continue  # a stalled process ticks again when it runs again
                 self.now = t
                 assert p.life is not None
                 p.life.control.apply(p.life.control.tick(p.local(t)))
+                if p.lead is not None:
+                    p.lead.publish_alive()  # as a real rank 0 does after each tick
                 self._push(t + p.span(p.cfg.timing.tick), TICK, i, p.epoch)
             else:  # RESUME
                 epoch, token = data
@@ -464,6 +595,8 @@ class SimCluster:
 
     # -- outcomes ----------------------------------------------------------------------------
     def _result(self, p: SimProcess) -> dict[str, Any]:
+        if p.follow is not None and p.life is None:
+            return self._rank_result(p)
         life = p.life
         node = life.node if life is not None else None
         return {"node": p.id, "exit": p.exit if not p.up else None, "status": life.status if life else None,
@@ -478,7 +611,7 @@ class SimCluster:
                 "params_sha256": node.state.sha256() if node else None,
                 "finite": bool(torch.isfinite(node.state.flat).all()) if node else True,
                 "rejected": self._rejected(life), "took": life.took if life else None,
-                "handed": list(life.handed) if life else []}
+                "handed": list(life.handed) if life else [], "rounds_seen": dict(p.rounds)}
 
     @staticmethod
     def _rejected(life: Lifecycle | None) -> dict[str, int]:
@@ -491,5 +624,31 @@ class SimCluster:
         return {k: v for k, v in sorted(out.items()) if v}
 
     def results(self) -> list[dict[str, Any]]:
-        """Each process's outcome (the current or last process at each index)."""
+        """Each member's outcome (the current or last process at each index; a group's rank 0)."""
         return [self._result(p) for p in self.procs]
+
+    def rank_results(self) -> list[list[dict[str, Any]]]:
+        """Each member's outcome by rank (one entry for a single-process member)."""
+        return [[self._result(q) for q in ranks] for ranks in self.ranks]
+
+    def _rank_result(self, p: SimProcess) -> dict[str, Any]:
+        f = p.follow.f
+        node = f.node
+        return {"node": p.id, "rank": p.rank, "exit": p.exit if not p.up else None, "status": f.status,
+                "steps": node.step if node else 0, "rounds": node.round if node else 0,
+                "members": len(node.members) if node else 0, "member_ids": list(node.members) if node else [],
+                "timed_out_rounds": f.timed_out_rounds, "skipped_waits": f.skipped_waits,
+                "params_sha256": node.state.sha256() if node else None,
+                "finite": bool(torch.isfinite(node.state.flat).all()) if node else True,
+                "rejected": dict(f.rejected), "took": f.took, "handed": list(f.handed),
+                "starts": p.follow.starts, "rounds_seen": dict(p.rounds)}
+
+    def _audit_rounds(self, p: SimProcess) -> None:
+        """Record the members rank ``p`` mixes with in its node's current round (as member ids),
+        keyed by the starts of its life it took: every rank of a group must agree."""
+        if p.lead is not None:
+            node, starts = p.life.node, p.lead.starts
+        else:
+            node, starts = p.follow.f.node, p.follow.starts
+        if node is not None and node.waiting is not None and (starts, node.waiting[1]) not in p.rounds:
+            p.rounds[(starts, node.waiting[1])] = tuple(group_of(a, p.rank) for a in node.members)

@@ -1,7 +1,8 @@
 """Seeded exploration of fault schedules over the real control plane (``gossip.sim.cluster``).
 
-Each run draws, from its own seed, a small cluster (3 to 5 nodes) and a fault
-schedule, runs it on the virtual clock, and checks invariants. The faults:
+Each run draws, from its own seed, a small cluster (3 to 5 members; in half the
+schedules each member is a group of 2 or 3 ranks) and a fault schedule, runs it on
+the virtual clock, and checks invariants. The faults:
 crashes, restarts with and without a checkpoint, late starts (joins), stalls
 longer than ``--dead-after``, partitions and heals, delay spikes on one link for
 a while; on every message loss, jitter, duplication and reordering; and a clock
@@ -19,6 +20,11 @@ what is explored is the protocol, and its invariants do not depend on the model:
 - no synchronous round mixes a message of another round, or from a sender that
   is not the member its index names in the node's member list;
 - every joiner's first parameters equal the state its donor handed over;
+- groups: every rank of a group mixes with the same members in each round; each
+  rank's first shard of a joining life is exactly the shard rank r of its donor
+  handed over; every rank of a group that finishes finishes (a rank crash or stall
+  acts on one rank: torchrun restarts the whole group, a stalled rank holds its
+  group's next step);
 - after the last fault, the survivors form one cluster: every survivor ends
   with the same member list, holding exactly the survivors (checked when the
   last fault is over ``SETTLE_S`` virtual seconds before training ends, the
@@ -79,12 +85,14 @@ class Schedule:
     reorder_by: float = 0.05
     clocks: list[tuple[float, float]] = field(default_factory=list)  # (drift, offset) per node
     settles: bool = True  # the last fault ends SETTLE_S before training does (the one-cluster check applies)
+    group: int = 1  # ranks per member: every member is a group of this many processes
     faults: list[tuple] = field(default_factory=list)  # (time, kind, args...)
     trace: str = ""  # a hash of the run's outcome, once run
 
     def describe(self) -> str:
         drifts = ", ".join(f"{d * 100:+.2f}%" for d, _ in self.clocks) if any(d for d, _ in self.clocks) else "none"
-        return (f"seed {self.seed} (trace {self.trace}): {self.n} nodes, loss {self.loss:.3f}, "
+        return (f"seed {self.seed} (trace {self.trace}): {self.n} "
+                f"{'nodes' if self.group == 1 else f'groups of {self.group} ranks'}, loss {self.loss:.3f}, "
                 f"jitter {self.jitter * 1e3:.1f} ms, duplicate {self.duplicate:.3f}, reorder {self.reorder:.3f} "
                 f"(by {self.reorder_by * 1e3:.0f} ms), drift {drifts}, "
                 f"{'settling' if self.settles else 'around the finish'}; "
@@ -95,8 +103,10 @@ def _fmt(x: Any) -> str:
     return f"{x:.2f}" if isinstance(x, float) else str(x)
 
 
-def draw(seed: int) -> Schedule:
-    """The schedule of run ``seed`` (the same seed, the same schedule)."""
+def draw(seed: int, groups: bool = True) -> Schedule:
+    """The schedule of run ``seed`` (the same seed, the same schedule). ``groups=False``:
+    single-process nodes always, the schedule ``seed`` had before groups were drawn (the
+    seeds found then replay as they were found)."""
     rng = random.Random(seed)  # the only source of the schedule: no hash() of anything, no clock
     n = rng.randint(3, 5)
     s = Schedule(seed, n, loss=rng.choice([0.0, 0.0, 0.005, 0.02]), jitter=rng.choice([0.0, 0.002, 0.02]),
@@ -148,10 +158,40 @@ def draw(seed: int) -> Schedule:
             until = end(t + rng.uniform(0.5, 3.5))
             if until > t:
                 s.faults.append((t, "stall", i, until))
+    if groups:
+        _draw_group(s, busy, lo, hi, end)
     s.faults.sort()
     if s.settles:  # a fault that would end after FAULTS_END was cut there; a start at it is not a fault
         assert all(max(x for x in f if isinstance(x, float)) <= FAULTS_END for f in s.faults), s.faults
     return s
+
+
+def _draw_group(s: Schedule, busy: set[int], lo: float, hi: float, end: Any) -> None:
+    """Half the schedules run groups of 2 or 3 ranks: the faults above then act on whole
+    groups (a machine), and up to two more act on one rank: ``rank-crash`` (the group goes
+    down, its launcher starts every rank again after a delay) and ``rank-stall`` (the
+    group waits for the rank at its next step). Drawn from a generator of their own, so
+    the schedules of single-process nodes are the ones every earlier commit explored."""
+    rng = random.Random(s.seed * 7919 + 0x6A0)
+    s.group = rng.choice([1, 1, 2, 3])
+    if s.group == 1:
+        return
+    for _ in range(rng.randint(0, 2)):
+        free = [i for i in range(s.n) if i not in busy]
+        if len(free) < 2:
+            return
+        i, r = rng.choice(free), rng.randrange(s.group)
+        t = round(rng.uniform(lo, hi), 2)
+        if rng.random() < 0.5:
+            back = round(rng.uniform(0.3, 2.0), 2)
+            if end(t + back) == round(t + back, 2):  # (its restart is within the schedule's window)
+                s.faults.append((t, "rank-crash", i, r, back))
+                busy.add(i)
+        else:
+            until = end(t + rng.uniform(0.5, 3.5))
+            if until > t:
+                s.faults.append((t, "rank-stall", i, r, until))
+                busy.add(i)
 
 
 def run_schedule(s: Schedule, workdir: str, detector: str = DEFAULT_DETECTOR) -> SimCluster:
@@ -170,7 +210,8 @@ def run_schedule(s: Schedule, workdir: str, detector: str = DEFAULT_DETECTOR) ->
     c = SimCluster(s.n, steps=STEPS, seed=s.seed, link=link, step_time=STEP_S, task=TASK, join_margin=10,
                    timeout=2.0, checkpoint_every=10, peers=peers, late=late, duplicate=s.duplicate,
                    reorder=s.reorder, reorder_by=s.reorder_by,
-                   checkpoint_dir=lambda i: f"{workdir}/ck{i}" if i in ck else None, detector=detector)
+                   checkpoint_dir=lambda i: f"{workdir}/ck{i}" if i in ck else None, detector=detector,
+                   group=s.group)
     for i, (drift, offset) in enumerate(s.clocks):
         c.clock(i, drift=drift, offset=offset)
     for f in s.faults:
@@ -186,6 +227,10 @@ def run_schedule(s: Schedule, workdir: str, detector: str = DEFAULT_DETECTOR) ->
             c.start(f[2], at=f[3], resume=kind == "restart-ck")
         elif kind == "stall":
             c.stall(f[2], at=t, until=f[3])
+        elif kind == "rank-crash":
+            c.crash(f[2], rank=f[3], at=t, restart_after=f[4])
+        elif kind == "rank-stall":
+            c.stall(f[2], rank=f[3], at=t, until=f[4])
         elif kind == "partition":
             c.partition([f[2], f[3]], at=t, until=f[4])
     c.run(until=STEP_S * STEPS * 10 + 60.0)
@@ -215,10 +260,41 @@ def check(c: SimCluster, settles: bool = True) -> list[str]:
             continue  # started after its cluster finished: it says so and exits (it must not hang)
         if r["exit"] != "done" or r["steps"] != STEPS:
             out.append(f"{r['node']}: did not finish (exit {r['exit']}, step {r['steps']} of {STEPS})")
+    if c.group > 1:
+        out.extend(check_ranks(c))
     ids = sorted(r["node"] for r in survivors)
     views = {tuple(sorted(r["member_ids"])) for r in survivors}
     if settles and views != {tuple(ids)}:
         out.append(f"survivors {ids} end in clusters {sorted(views)}")
+    return out
+
+
+def check_ranks(c: SimCluster) -> list[str]:
+    """The invariants of groups: every rank of a group mixes with the same members in each
+    round of a life; each rank's first shard of a joining life is exactly the one rank r
+    of its donor handed it; every rank of a group alive at the end finishes with rank 0."""
+    out: list[str] = []
+    lives = [[[*q.lives, c._result(q)] for q in ranks] for ranks in c.ranks]
+    handed = {(h["to"], h["round"], h["sha256"]) for member in lives for rank in member[1:] for life in rank
+              for h in life["handed"]}
+    for member in lives:
+        lead = member[0]
+        for rank in member[1:]:
+            for k, life in enumerate(rank):
+                node = life["node"]
+                if k < len(lead):
+                    for key, members in life["rounds_seen"].items():
+                        want = lead[k]["rounds_seen"].get(key)
+                        if want is not None and want != members:
+                            out.append(f"{node}: start {key[0]} round {key[1]} mixed with {list(members)}, "
+                                       f"rank 0 with {list(want)}")
+                took = life["took"]
+                if took is not None and (node, took["round"], took["sha256"]) not in handed:
+                    out.append(f"{node}: took a shard of round {took['round']} from {took['from']} that it did "
+                               f"not hand over")
+                if k == len(rank) - 1 and lead[-1]["exit"] == "done" and life["exit"] != "done":
+                    out.append(f"{node}: rank 0 finished, this rank did not (exit {life['exit']}, "
+                               f"step {life['steps']})")
     return out
 
 
@@ -239,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--detector", choices=DETECTORS, default=DEFAULT_DETECTOR,
                     help="the nodes' failure detector (gossip-node --detector); a seed's schedule is the same "
                          "with either (default: %(default)s)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--groups", action="store_true", help="run only the schedules drawn with groups of ranks")
+    which.add_argument("--single", action="store_true",
+                       help="single-process nodes only: every seed's schedule as drawn before groups were (replay "
+                            "the seeds found then with it)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the protocol (INFO)")
     args = ap.parse_args(argv)
     if args.runs < 1:
@@ -250,8 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     cpu0 = time.process_time()
     # checkpoints on a memory file system where there is one: their fsyncs are not what is explored
     scratch = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    ran = 0
     for seed in seeds:
-        s = draw(seed)
+        s = draw(seed, groups=not args.single)
+        if args.groups and s.group == 1 and args.replay is None:
+            continue
+        ran += 1
         with tempfile.TemporaryDirectory(prefix="gossip-explore-", dir=scratch) as work:
             try:
                 c = run_schedule(s, work, args.detector)
@@ -264,12 +349,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"VIOLATION {s.describe()}", file=sys.stderr)
             for b in bad:
                 print(f"  {b}", file=sys.stderr)
-            print(f"  replay: python -m gossip.sim.explore --replay {seed} --detector {args.detector}", file=sys.stderr)
+            print(f"  replay: python -m gossip.sim.explore --replay {seed} --detector {args.detector}"
+                  f"{' --single' if args.single else ''}", file=sys.stderr)
         elif args.replay is not None or args.verbose:
             print(f"ok {s.describe()}", file=sys.stderr)
     cpu = time.process_time() - cpu0
-    print(json.dumps({"runs": len(seeds), "violations": len(failed), "failing_seeds": failed, "detector": args.detector,
-                      "schedules_per_cpu_minute": round(len(seeds) / (cpu / 60), 2) if cpu > 0 else None}))
+    print(json.dumps({"runs": ran, "violations": len(failed), "failing_seeds": failed, "detector": args.detector,
+                      "schedules_per_cpu_minute": round(ran / (cpu / 60), 2) if cpu > 0 else None}))
     return 1 if failed else 0
 
 

@@ -1,315 +1,251 @@
-"""A node is a group of devices: DDP or FSDP inside, sharded gossip between groups.
+"""A node is a group of devices: what runs inside one group, in this process.
 
-Real processes on loopback with gloo: each rank is started as torchrun starts it
-(its own process with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), on free ports, with
-hard time limits, every process reaped by its PID.
+torchrun's environment (``group_env``), the group and its wrap of the model
+(``start_group``, ``Group.wrap``), the shard each rank gossips (``ReplicaSlice``,
+``FsdpShards``), sharded checkpoints, and the simulator's model of K streams. The
+protocol between groups (rank 0 leads, the ranks follow) is in
+tests/protocol/test_group.py; real groups under torchrun in test_groups_real.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
+import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from gossip.core.state import FlatState
-from gossip.groups.group import (
-    Decision,
-    GroupError,
-    GroupSizeError,
-    check_group_sizes,
-    group_env,
-    rank_address,
-    start_group,
+from gossip.groups.checkpoint import (
+    latest_group_checkpoint,
+    load_group_checkpoint,
+    restore_node,
+    save_group_checkpoint,
 )
-from gossip.groups.run import main
-from gossip.protocol.membership import topology_for
-from gossip.training.node import init_model
+from gossip.groups.group import Group, GroupEnv, GroupError, group_env, start_group
+from gossip.mixing.settings import MixingSettings
+from gossip.protocol.group import Decision, ShardFollower
+from gossip.training.shards import ReplicaSlice
 from gossip.training.tasks import get_task
 from gossip.transport.ports import free_ports
 
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-LIMIT = 90  # seconds a group run may take before it counts as hung
-STEPS, PERIOD, SEED = 7, 2, 3  # exchanges at steps 2, 4, 6; one local step after the last
-TASK = "synthetic:hidden=63,classes=5"  # odd rows: FSDP pads the last rank's shards
+TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
-def free_base(k: int) -> int:
-    """A port P with P .. P+k-1 free (rank r of a group listens on P+r)."""
-    return free_ports(k, consecutive=True)[0]
+# -- torchrun's environment ----------------------------------------------------------------------
+
+def test_without_torchrun_a_process_is_a_group_of_one() -> None:
+    assert group_env({}) == GroupEnv()
+    assert group_env({"PATH": "/bin", "LOCAL_RANK": "3"}).launched is False  # RANK and WORLD_SIZE decide
+    g = start_group("ddp", "auto", environ={})
+    assert (g.size, g.rank, g.pg, g.backend) == (1, 0, None, None)
+    assert g.device == (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+    assert g.link() is None  # no other rank to tell anything
+    model, view = g.wrap(torch.nn.Linear(3, 2))
+    assert isinstance(view, ReplicaSlice) and view.flat.numel() == view.total == 8 and view.is_bound()
+    with torch.no_grad():
+        view.flat.fill_(0.5)  # the view is the model's memory
+    assert float(model.weight.detach().sum()) == pytest.approx(3.0)
+    g.barrier()  # nothing to wait for
+    g.close()
 
 
-def _rank_main(env: dict[str, str], argv: list[str], out: str, err: str) -> None:
-    """One rank's process: torchrun's environment, then the driver (stdout and stderr to files)."""
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(f, fd)
-        os.close(f)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    for var in TORCHRUN_VARS:
-        os.environ.pop(var, None)
-    os.environ.update(env)
-    torch.set_num_threads(1)
-    from gossip.groups.run import main
-
-    code = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-_CTX = None
+def test_torchruns_variables_are_read_and_each_error_names_the_variable() -> None:
+    env = group_env(dict(TORCHRUN, RANK="1", LOCAL_RANK="1"))
+    assert (env.rank, env.local_rank, env.size, env.local_size, env.master_addr, env.master_port, env.launched) == \
+        (1, 1, 2, 2, "127.0.0.1", 29500, True)
+    for environ, needle in [
+        ({k: v for k, v in TORCHRUN.items() if k != "LOCAL_RANK"}, "LOCAL_RANK is not set, but torchrun's other"),
+        (dict(TORCHRUN, RANK="2"), "RANK 2 is not below WORLD_SIZE 2"),
+        (dict(TORCHRUN, LOCAL_RANK="2"), "LOCAL_RANK 2 is not below LOCAL_WORLD_SIZE 2"),
+        (dict(TORCHRUN, WORLD_SIZE="two"), "WORLD_SIZE must be an integer, got 'two'"),
+        (dict(TORCHRUN, WORLD_SIZE="0"), "WORLD_SIZE must be >= 1, got 0"),
+        (dict(TORCHRUN, MASTER_PORT="0"), "MASTER_PORT must be >= 1, got 0"),
+        (dict(TORCHRUN, MASTER_ADDR=""), "MASTER_ADDR is not set: launch with torchrun"),
+    ]:
+        with pytest.raises(GroupError) as e:
+            group_env(environ)
+        assert needle in str(e.value)
+    assert issubclass(GroupError, ValueError)  # the driver's one-line exit 2
 
 
-def _context():
-    """Rank processes come from a fork server that has imported torch and the driver once:
-    each is a fresh process, without paying for the imports again."""
-    global _CTX
-    if _CTX is None:
-        import multiprocessing
-
-        _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed.fsdp", "gossip.groups.run", "tests.groups.test_group"])
-    return _CTX
-
-
-class Ranks:
-    """The processes of several groups; killed and reaped (by PID) on exit."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.procs: list[tuple[str, object]] = []
-
-    def group(self, k: int, group: str, groups: list[str], *args: str, torchrun: bool = True) -> None:
-        master = free_base(1)
-        for r in range(k):
-            env = {}
-            if torchrun:
-                env = dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(k), LOCAL_WORLD_SIZE=str(k),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master))
-            name = f"{group.rpartition(':')[2]}-{r}"
-            argv = ["--group", group, "--groups", ",".join(groups), "--seed", str(SEED), "--out", str(self.tmp),
-                    "--timeout", "30", "--connect-timeout", "60", *args]
-            p = _context().Process(target=_rank_main, args=(env, argv, str(self.tmp / f"{name}.out"),
-                                                            str(self.tmp / f"{name}.err")), daemon=True)
-            p.start()
-            self.procs.append((name, p))
-
-    def wait(self) -> dict[str, int]:
-        codes = {}
-        for name, p in self.procs:
-            p.join(timeout=LIMIT)
-            if p.exitcode is None:
-                raise AssertionError(f"rank {name} still running after {LIMIT} s:\n{self.err(name)[-3000:]}")
-            codes[name] = p.exitcode
-        return codes
-
-    def err(self, name: str) -> str:
-        return (self.tmp / f"{name}.err").read_text()
-
-    def __enter__(self) -> "Ranks":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for _, p in self.procs:
-            if p.exitcode is None and p.pid is not None:
-                os.kill(p.pid, signal.SIGKILL)
-            p.join(timeout=10)
-
-
-def reference(groups: int, k: int, *, mix: bool = True) -> list[dict[str, torch.Tensor]]:
-    """``groups`` single-process nodes on the same schedule: node g trains on the union of
-    group g's batches (rank r's stream is shard g*k + r) and mixes with the ring's weights."""
-    task = get_task(TASK)
-    models = [init_model(task, SEED, "cpu") for _ in range(groups)]
-    states = [FlatState(m) for m in models]
-    opts = [task.optimizer(m.parameters()) for m in models]
-    streams = [[task.stream(g * k + r, groups * k, "iid", SEED) for r in range(k)] for g in range(groups)]
-    topo = topology_for("ring", groups, seed=SEED)
-    rnd = 0
-    for step in range(1, STEPS + 1):
-        for g in range(groups):
-            parts = [s.next() for s in streams[g]]
-            batch = tuple(torch.cat(ts) for ts in zip(*parts))
-            opts[g].zero_grad(set_to_none=True)
-            task.loss(models[g], batch).backward()
-            opts[g].step()
-        if mix and step % PERIOD == 0:
-            old = [st.flat.clone() for st in states]
-            for g in range(groups):
-                w = topo.in_weights(g, rnd)
-                states[g].flat.copy_(sum(wj * old[j] for j, wj in w.items()))
-            rnd += 1
-    return [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
-
-
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    return max(float((a[n] - b[n]).abs().max()) for n in a)
-
-
-@pytest.mark.parametrize("intra", ["fsdp", "ddp"])
-def test_groups_match_single_nodes_on_the_union_of_their_batches(tmp_path: Path, intra: str) -> None:
-    k = 2
-    groups = [f"127.0.0.1:{free_base(k)}" for _ in range(2)]
-    with Ranks(tmp_path) as ranks:
-        for g in groups:
-            ranks.group(k, g, groups, "--intra", intra, "--task", TASK, "--steps", str(STEPS), "--period", str(PERIOD))
-        codes = ranks.wait()
-        assert all(c == 0 for c in codes.values()), {n: (c, ranks.err(n)[-2000:]) for n, c in codes.items() if c}
-    ref = reference(2, k)
-    alone = reference(2, k, mix=False)
-    order = sorted(groups)
-    for g, gid in enumerate(order):
-        port = gid.rpartition(":")[2]
-        got = torch.load(tmp_path / f"params-{port}.pt")
-        assert _max_diff(got, ref[g]) < 1e-5
-        assert _max_diff(got, alone[g]) > 1e-3  # the gossip mattered: without it the result is far off
-        summaries = [json.loads((tmp_path / f"rank-{port}-{r}.json").read_text()) for r in range(k)]
-        for s in summaries:
-            assert s["mixed"] == STEPS // PERIOD and s["missing"] == 0 and s["timed_out"] == 0
-            assert s["rejected"] == {}  # (hellos to a partner still starting may expire: no state was lost)
-            # what the transport saw: one shard per message, never the whole model
-            full_bytes = s["model_numel"] * 4
-            shard_bytes = s["shard_numel"] * 4
-            assert len(s["sent_sizes"]) == STEPS // PERIOD
-            assert all(shard_bytes <= n < shard_bytes + 2048 for n in s["sent_sizes"])
-            if intra == "fsdp":  # padded as FSDP pads: rank 1's shards hold a row of padding
-                assert s["shard_numel"] * k > s["model_numel"]
-            assert max(s["sent_sizes"]) < full_bytes * 0.6
-            partner = rank_address(order[1 - g], s["rank"])
-            assert list(s["bytes_sent"]) == [partner]  # rank r talks to rank r only
-            assert s["bytes_sent"][partner] >= sum(s["sent_sizes"])
-        assert sum(s["shard_numel"] for s in summaries) >= summaries[0]["model_numel"]  # the shards cover it
-        if intra == "fsdp":
-            assert all(s["resident_numel"] < s["model_numel"] * 0.6 for s in summaries)  # nobody holds it all
-    assert _max_diff(ref[0], ref[1]) > 1e-4  # the last local step made the groups differ: each is checked
-
-
-def test_groups_of_different_sizes_exit_2_naming_both_sizes(tmp_path: Path, monkeypatch, capsys) -> None:
-    for var in TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
-    a, b = f"127.0.0.1:{free_base(2)}", f"127.0.0.1:{free_base(1)}"
-    with Ranks(tmp_path) as ranks:
-        ranks.group(2, a, [a, b], "--intra", "ddp", "--steps", "2")
-        # group b is a group of one: this very process, without torchrun
-        code = main(["--group", b, "--groups", f"{a},{b}", "--steps", "2", "--connect-timeout", "60"])
-        codes = ranks.wait()
-        assert codes == {n: 2 for n in codes}, {n: ranks.err(n)[-2000:] for n in codes}
-        errors = [ranks.err(n) for n in codes] + [capsys.readouterr().err]
-    assert code == 2
-    for err in errors:
-        assert "group sizes differ" in err and f"group {a} has 2 ranks" in err and f"group {b} has 1 rank" in err
-
-
-def test_fsdp_without_torchrun_exits_2(monkeypatch, capsys) -> None:
-    for var in TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
-    assert main(["--group", "127.0.0.1:9", "--groups", "127.0.0.1:9", "--intra", "fsdp"]) == 2
-    err = capsys.readouterr().err
-    assert "intra 'fsdp'" in err and "torchrun --nproc-per-node" in err
-    with pytest.raises(GroupError, match="torchrun --nproc-per-node"):
+def test_a_bad_intra_or_fsdp_without_torchrun_is_refused_before_anything_starts() -> None:
+    with pytest.raises(GroupError, match="intra must be one of ddp, fsdp, got 'zero3'"):
+        start_group("zero3", "cpu", environ={})
+    with pytest.raises(GroupError, match="torchrun --nproc-per-node K"):
         start_group("fsdp", "cpu", environ={})
 
 
-def test_group_of_one_without_torchrun() -> None:
-    g = start_group("ddp", "auto", environ={})
-    assert (g.size, g.rank, g.pg) == (1, 0, None)
-    assert g.device == (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
-    model, view = g.wrap(torch.nn.Linear(3, 2))
-    assert view.flat.numel() == view.total == 8 and view.is_bound()
+def test_the_examples_in_the_docstrings_hold() -> None:
+    import doctest
+
+    import gossip.groups.group
+
+    result = doctest.testmod(gossip.groups.group)
+    assert result.attempted >= 2 and result.failed == 0
+
+
+# -- the shard each rank gossips -----------------------------------------------------------------
+
+def _replica(rank: int, size: int, seed: int = 0) -> tuple[torch.nn.Module, ReplicaSlice]:
+    torch.manual_seed(seed)
+    group = Group(GroupEnv(rank=rank, size=size), "ddp", torch.device("cpu"), None)  # no process group: no DDP
+    model, view = group.wrap(torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)))
+    assert isinstance(view, ReplicaSlice)
+    return model, view
+
+
+def test_under_ddp_rank_r_gossips_slice_r_of_the_replica_and_rank_r_of_every_group_has_the_same_layout() -> None:
+    k = 3
+    parts = [_replica(r, k) for r in range(k)]
+    n = 7 * 5 + 5 + 5 * 3 + 3  # 58: not a multiple of 3
+    assert [v.bounds[r] for r, (_, v) in enumerate(parts)] == [(0, 19), (19, 38), (38, 58)]
+    assert [v.flat.numel() for _, v in parts] == [19, 19, 20]  # slices differ by one value at most
+    assert all(v.total == v.resident == n for _, v in parts)
+    whole = parts[0][1].state.flat  # the replica's flat vector
+    for r, (model, view) in enumerate(parts):  # (the same seed: equal replicas)
+        lo, hi = view.bounds[r]
+        assert torch.equal(view.flat, whole[lo:hi]) and view.is_bound()
+    assert len({v.fingerprint for _, v in parts}) == k  # rank r only mixes with rank r
+    _, other = _replica(1, k, seed=5)  # rank 1 of another group: other values, the same layout
+    assert other.fingerprint == parts[1][1].fingerprint
+    assert _replica(1, 2)[1].fingerprint != parts[1][1].fingerprint  # another group size: another layout
+    model, view = parts[2]
     with torch.no_grad():
-        view.flat.fill_(0.5)
-    assert float(model.weight.detach().sum()) == pytest.approx(3.0)
+        view.flat.fill_(7.0)
+    assert torch.equal(model[1].bias.detach(), torch.full((3,), 7.0))  # the last 20 values: the second layer's
+    assert float(model[0].weight.detach().abs().max()) < 1.0  # the first layer is rank 0's and 1's to mix
+    fresh = torch.arange(20, dtype=torch.float32)
+    home = view.moved(fresh)  # a send still held the old memory: the replica moves, the values come along
+    assert torch.equal(home, fresh) and home.data_ptr() != fresh.data_ptr() and view.is_bound()
+    assert torch.equal(model[1].bias.detach(), fresh[-3:])
 
 
-def test_environment_and_argument_errors_name_what_is_wrong() -> None:
-    base = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    env = group_env(base)
-    assert (env.rank, env.size, env.local_size, env.master_port, env.launched) == (0, 2, 2, 29500, True)
-    with pytest.raises(GroupError, match="LOCAL_RANK is not set"):
-        group_env({k: v for k, v in base.items() if k != "LOCAL_RANK"})
-    with pytest.raises(GroupError, match="RANK 2 is not below WORLD_SIZE 2"):
-        group_env(dict(base, RANK="2"))
-    with pytest.raises(GroupError, match="WORLD_SIZE must be an integer"):
-        group_env(dict(base, WORLD_SIZE="two"))
-    with pytest.raises(GroupError, match="intra must be one of ddp, fsdp"):
-        start_group("zero3", "cpu", environ={})
-    with pytest.raises(GroupSizeError, match="group a:1 has 4 ranks, group b:1 has 2 ranks"):
-        check_group_sizes({"b:1": 2, "a:1": 4, "c:1": 4})
-    check_group_sizes({"a:1": 3, "b:1": 3})
-    assert rank_address("h:65534", 1) == "h:65535"
-    with pytest.raises(ValueError, match="outside 1-65535"):
-        rank_address("h:65535", 1)
-    with pytest.raises(ValueError, match="HOST:PORT"):
-        rank_address("nohost", 0)
-    with pytest.raises(ValueError, match="verdict must be one of mix, skip, stop"):
-        Decision(0, ("a:1",), "maybe")
+def test_under_fsdp_the_local_shards_are_rehomed_into_one_vector_that_is_the_model() -> None:
+    """FSDP in a one-rank process group (gloo, in a process of its own): the view's vector is
+    what FSDP's all-gather reads, and its fingerprint names the group size."""
+    code = r"""
+import torch, torch.distributed as dist
+from gossip.groups.group import Group, GroupEnv
+from gossip.training.shards import FsdpShards
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+torch.manual_seed(0)
+group = Group(GroupEnv(size=1, launched=True), "fsdp", torch.device("cpu"), "gloo", dist.group.WORLD)
+model, view = group.wrap(torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)))
+assert isinstance(view, FsdpShards) and view.is_bound()
+assert view.flat.numel() == view.total == view.resident == 58, (view.flat.numel(), view.total)
+with torch.no_grad():
+    view.flat.copy_(torch.arange(58, dtype=torch.float32))
+full = view.full_state()
+got = torch.cat([full[n].reshape(-1) for n in ("0.weight", "0.bias", "1.weight", "1.bias")])
+assert torch.equal(got, torch.arange(58, dtype=torch.float32)), got
+out = model(torch.ones(1, 7))  # the forward all-gathers from the vector
+assert torch.allclose(out, torch.nn.functional.linear(torch.nn.functional.linear(torch.ones(1, 7), full["0.weight"],
+                      full["0.bias"]), full["1.weight"], full["1.bias"]))
+fresh = torch.full((58,), 2.0)
+assert view.moved(fresh) is fresh and view.is_bound() and view.flat is fresh
+assert float(view.full_state()["1.bias"].sum()) == 6.0
+print("fingerprint", view.fingerprint)
+dist.destroy_process_group()
+"""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fingerprint = proc.stdout.split()[-1]
+    assert fingerprint != _replica(0, 1)[1].fingerprint  # FSDP's padded layout is not a replica's
 
 
-def _member(gid: str, groups: list[str], values: torch.Tensor, **kwargs):
-    from gossip.groups.member import GroupMember
+# -- checkpoints ---------------------------------------------------------------------------------
 
-    group = start_group("ddp", "cpu", environ={})
-    model = torch.nn.Linear(64, 32)
-    model, view = group.wrap(model)
+def _trained(ck: Path | None = None):
+    """A group of one (no torchrun) a few SGD steps in, with its follower's node over the shard
+    (an outer optimizer: the rule has state of its own)."""
+    task = get_task("synthetic:hidden=16,classes=3")
+    torch.manual_seed(0)
+    group = Group(GroupEnv(), "ddp", torch.device("cpu"), None)
+    model, view = group.wrap(task.model())
+    optimizer = task.optimizer(model.parameters())
+    stream = task.stream(0, 1, "iid", 0)
+    follower = ShardFollower(1, "127.0.0.1:7000", view.flat, view.fingerprint,
+                             mixing=MixingSettings(outer="nesterov:lr=0.7,momentum=0.9"))
+    follower.apply(Decision(1, "start", members=("127.0.0.1:7000",)))
+    for _ in range(3):
+        optimizer.zero_grad()
+        task.loss(model, stream.next()).backward()
+        optimizer.step()
+    return task, group, model, view, optimizer, stream, follower.node
+
+
+def test_a_checkpoint_gives_back_the_model_optimizer_data_position_and_mixing_state(tmp_path: Path) -> None:
+    task, group, model, view, optimizer, stream, node = _trained()
+    with torch.no_grad():  # an outer step's momentum: state the rule keeps per shard
+        view.flat.add_(0.1)
+    node.rule.mix(node.state.flat, node.inbox, node.topology, node.index, 0, 3)
+    node.seq, node.step, node.channels[0].round = 5, 3, 2
+    saved = {"params": view.flat.clone(), "rule": node.rule.state_dict(),
+             "momentum": [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]}
+    path = save_group_checkpoint(tmp_path, 3, group, model, optimizer, node, view, stream, members=["a:1", "b:1"])
+    assert path == tmp_path / "step-00000003" and sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
+    assert {"group.pt", "rank-0.pt"} <= {p.name for p in path.iterdir()}
+    after = stream.next()  # the batch a resumed run must read next
+    # change everything the checkpoint holds
+    for _ in range(2):
+        optimizer.zero_grad()
+        task.loss(model, stream.next()).backward()
+        optimizer.step()
+    node.rule.mix(node.state.flat, node.inbox, node.topology, node.index, 2, 5)
+    node.seq, node.step, node.channels[0].round = 9, 5, 4
+    assert not torch.equal(view.flat, saved["params"])
+    state = load_group_checkpoint(path, group, model, optimizer, view, stream)
+    restore_node(node, state)
+    assert torch.equal(view.flat, saved["params"]) and view.is_bound()
+    assert all(torch.equal(optimizer.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(),
+                                                                                     saved["momentum"]))
+    assert torch.equal(stream.next()[0], after[0])  # the data stream continues where it was
+    assert (state["step"], state["members"], node.seq, node.step, node.channels[0].round) == (3, ["a:1", "b:1"],
+                                                                                              5, 3, 2)
+    rule = node.rule.state_dict()
+    assert rule.keys() == saved["rule"].keys()
+    for key, value in saved["rule"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(rule[key], value), key
+
+
+def test_only_complete_checkpoints_count_and_a_mismatch_is_refused_naming_both_sides(tmp_path: Path) -> None:
+    assert latest_group_checkpoint(tmp_path / "none") is None
+    _, group, model, view, optimizer, stream, node = _trained()
+    for step in (2, 10):
+        save_group_checkpoint(tmp_path, step, group, model, optimizer, node, view, stream)
+    (tmp_path / "step-00000020.tmp").mkdir()  # a save that never finished
+    (tmp_path / "step-30").mkdir()  # not a checkpoint's name
+    latest = latest_group_checkpoint(tmp_path)
+    assert latest is not None and latest.name == "step-00000010"
+    for size, intra, words in ((2, "ddp", "written by a group of 1 ranks; this group has 2: resume with torchrun "
+                                          "--nproc-per-node 1"),
+                               (1, "fsdp", "written with intra 'ddp', this group runs 'fsdp'")):
+        other = Group(GroupEnv(size=size), intra, torch.device("cpu"), None)
+        with pytest.raises(GroupError, match=words.replace("(", r"\(")):  # refused before anything is loaded
+            load_group_checkpoint(latest, other, None, None, None)
+
+
+def test_a_step_saved_twice_keeps_the_newer_checkpoint(tmp_path: Path) -> None:
+    """The last step of a run that is also a --checkpoint-every step is saved twice (in the
+    loop, then as the final checkpoint): the second replaces the first."""
+    _, group, model, view, optimizer, stream, node = _trained()
+    save_group_checkpoint(tmp_path, 4, group, model, optimizer, node, view, stream, members=["a:1"])
     with torch.no_grad():
-        view.flat.copy_(values)
-    return model, view, GroupMember(group, view, gid, groups, **kwargs)
+        view.flat.fill_(3.0)
+    path = save_group_checkpoint(tmp_path, 4, group, model, optimizer, node, view, stream, members=["b:1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]  # no .tmp, no .old left
+    with torch.no_grad():
+        view.flat.zero_()
+    state = load_group_checkpoint(path, group, model, optimizer, view, stream)
+    assert state["members"] == ["b:1"] and torch.equal(view.flat, torch.full_like(view.flat, 3.0))
 
 
-def _both(*calls, limit: float = 60.0) -> None:
-    """Run members' collective steps at once (each group of one is its own thread here)."""
-    import threading
-
-    errors: list[BaseException] = []
-
-    def call(f):
-        try:
-            f()
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=call, args=(f,), daemon=True) for f in calls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(limit)
-    assert not any(t.is_alive() for t in threads), "a member is still running"
-    assert not errors, errors
-
-
-def test_a_send_still_in_flight_when_mixing_moves_the_parameters_and_sends_the_values_as_they_were(monkeypatch) -> None:
-    for var in TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
-    a, b = sorted(f"127.0.0.1:{free_base(1)}" for _ in range(2))
-    n = 64 * 32 + 32
-    xa, xb = torch.arange(n, dtype=torch.float32), torch.full((n,), -1.0)
-    # a's link holds each message 1 s, longer than a waits for its transport to let go (0.3 s)
-    model_a, view_a, ma = _member(a, [a, b], xa, timeout=0.3, emulate="latency=1s")
-    model_b, view_b, mb = _member(b, [a, b], xb, timeout=30.0)
-    with ma, mb:
-        _both(lambda: ma.connect(30), lambda: mb.connect(30))
-        old = view_a.flat
-        _both(lambda: ma.exchange(1), lambda: mb.exchange(1))
-        mean = (xa + xb) / 2
-        assert ma.node.held_sends == 1 and mb.node.held_sends == 0
-        assert view_a.flat.data_ptr() != old.data_ptr()  # a mixed in fresh memory ...
-        assert torch.equal(old, xa)  # ... so what its transport was sending stayed as it was ...
-        assert torch.allclose(view_b.flat, mean)  # ... and b mixed a's values from before the round
-        assert torch.allclose(view_a.flat, mean) and view_a.is_bound()
-        assert ma.node.state.flat is view_a.flat  # the node mixes the model's memory again
-        w = model_a.weight.detach().reshape(-1)
-        assert torch.allclose(w, mean[:w.numel()])
-
+# -- the simulator: a group's exchange as K streams ------------------------------------------------
 
 def test_the_simulator_models_a_group_as_one_node_whose_exchange_runs_k_streams() -> None:
     import gossip
@@ -335,482 +271,32 @@ def test_the_simulator_models_a_group_as_one_node_whose_exchange_runs_k_streams(
     assert runs[1]["sim_time_s"] - runs[4]["sim_time_s"] == pytest.approx(saved, rel=1e-6)
 
 
-def test_control_traffic_reaches_rank_0s_control_plane_through_the_rank_s_own_connection(monkeypatch) -> None:
-    import threading
+# -- a real group, resumed --------------------------------------------------------------------------
 
-    from gossip.core.message import Message
-    from gossip.transport import wire
-
-    for var in TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
-    a, b = sorted(f"127.0.0.1:{free_base(1)}" for _ in range(2))
-    got: list[str] = []
-    arrived = threading.Event()
-
-    def control(ident: bytes, frames: list) -> None:
-        got.append(wire.decode(frames).kind)
-        arrived.set()
-
-    x = torch.zeros(64 * 32 + 32)
-    _, _, ma = _member(a, [a, b], x)
-    _, _, mb = _member(b, [a, b], x, control=control)
-    with ma, mb:
-        _both(lambda: ma.connect(30), lambda: mb.connect(30))
-        ma.transport.send(b, wire.encode(Message("ping", a, 0, 0, 1)), droppable=False)
-        assert arrived.wait(30)
-        assert got == ["ping"]  # hellos and state stay with the member; the rest goes to the hook
-        mb.transport.send(a, wire.encode(Message("ping", b, 0, 0, 1)), droppable=False)
-        _both(lambda: ma.exchange(1), lambda: mb.exchange(1))  # a round after the ping: it has arrived
-        assert ma.rejected["kind"] == 1  # without a hook, a kind the member does not handle is counted
-
-
-def test_the_examples_in_the_docstrings_hold() -> None:
-    import doctest
-
-    import gossip.groups.group
-
-    result = doctest.testmod(gossip.groups.group)
-    assert result.attempted >= 5 and result.failed == 0
-
-
-def test_rank_0s_decision_sets_the_members_and_the_round_and_can_skip(monkeypatch) -> None:
-    for var in TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
-    ids = sorted(f"127.0.0.1:{free_base(1)}" for _ in range(3))
-    n = 64 * 32 + 32
-    made = [_member(g, ids, torch.full((n,), float(3 * i))) for i, g in enumerate(ids)]
-    views = [v for _, v, _ in made]
-    a, b, c = (m for _, _, m in made)
-    with a, b, c:
-        _both(*(lambda m=m: m.connect(30) for m in (a, b, c)))
-        _both(*(lambda m=m: m.exchange(1) for m in (a, b, c)))  # a ring of three: everyone's mean
-        assert all(torch.allclose(v.flat, torch.full((n,), 3.0)) for v in views)
-        for v, value in zip(views, (0.0, 10.0, 100.0)):
-            v.flat.fill_(value)
-        pair = Decision(4, (ids[0], ids[1]))  # rank 0 of a and b: c has left; round 4
-        reports = {}
-
-        def run(m, d, key):
-            reports[key] = m.exchange(2, d)
-
-        _both(lambda: run(a, pair, "a"), lambda: run(b, pair, "b"), lambda: run(c, Decision(4, tuple(ids), "skip"), "c"))
-        assert torch.allclose(views[0].flat, torch.full((n,), 5.0))  # a and b only: c's 100 stayed out
-        assert torch.allclose(views[1].flat, torch.full((n,), 5.0))
-        assert torch.allclose(views[2].flat, torch.full((n,), 100.0)) and reports["c"] is None
-        assert reports["a"].mixed == 1 and reports["a"].missing == 0
-        assert (a.node.round, a.members, c.node.round) == (5, pair.members, 1)
-
-
-def test_a_decision_names_joiners_apart_from_members_and_a_donor_only_to_join() -> None:
-    d = Decision(3, ("a:1",), handover=["b:1"])
-    assert d.handover == ("b:1",) and d.donor is None
-    assert Decision(3, ("b:1",), "join", donor="a:1").donor == "a:1"
-    with pytest.raises(ValueError, match="cannot be a member of this one"):
-        Decision(3, ("a:1", "b:1"), handover=("b:1",))
-    with pytest.raises(ValueError, match="a donor goes with the verdict 'join'"):
-        Decision(3, ("b:1",), "join")
-    with pytest.raises(ValueError, match="a donor goes with the verdict 'join'"):
-        Decision(3, ("b:1",), donor="a:1")
-
-
-def test_rank_0s_control_plane_drops_a_silent_group_and_ends_the_wait_for_it_in_the_round_under_way(
-        monkeypatch) -> None:
-    """Two groups of one in this process, each with its control plane: b goes silent in the
-    middle of a round; a stops waiting once b is declared dead, not at the round's timeout."""
-    from gossip.groups.control import GroupControl
-    from gossip.protocol.timing import Timing
-
-    for var in TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
-    a, b = sorted(f"127.0.0.1:{free_base(1)}" for _ in range(2))
-    n = 64 * 32 + 32
-    _, va, ma = _member(a, [a, b], torch.zeros(n), timeout=60.0)
-    _, vb, mb = _member(b, [a, b], torch.full((n,), 2.0), timeout=60.0)
-    dead_after, heartbeat = 0.6, 0.05
-    timing = Timing(heartbeat=heartbeat, dead_after=dead_after)
-    pa = ma.plane = GroupControl(ma, timing=timing)
-    mb.plane = GroupControl(mb, timing=timing)
-    with ma, mb:
-        ma.plane.start()
-        mb.plane.start()
-        _both(lambda: ma.connect(30), lambda: mb.connect(30))
-        assert pa.members() == (a, b) and pa.status == "training"
-        _both(lambda: ma.exchange(1), lambda: mb.exchange(1))
-        assert torch.allclose(va.flat, torch.full((n,), 1.0))  # they mixed
-        mb.close()  # b's rank 0 dies: no more pings, no round-1 state
-        t0 = time.monotonic()
-        report = ma.exchange(2)
-        waited = time.monotonic() - t0
-        assert report.missing == 1 and ma.skipped_waits == 1 and ma.timed_out == 0
-        assert waited < dead_after + heartbeat + 2.0  # the detection time (and a loaded machine), not 60 s
-        assert [e["event"] for e in pa.events] == ["dropped"] and "silent" in pa.events[0]["reason"]
-        assert ma.exchange(3) is not None and ma.members == (a,)  # the next round is a's alone
-        assert ma.skipped_waits == 1
-
-
-@pytest.mark.numeric
-@pytest.mark.parametrize("options", [{"compression": "int8"}, {"outer": "nesterov:lr=0.7,momentum=0.9"},
-                                     {"compression": "int8", "outer": "nesterov:lr=0.7,momentum=0.9"}])
-def test_a_compressed_rule_or_an_outer_optimizer_on_each_shard_is_the_same_on_the_whole_model(monkeypatch,
-                                                                                             options) -> None:
-    """CHOCO with int8 and DiLoCo's outer Nesterov per shard (each rank its own connection)
-    against the same on whole models: with shard boundaries on the codec's block
-    boundaries they agree exactly."""
-    from gossip.groups.group import Group, GroupEnv
-    from gossip.groups.member import GroupMember
-    from gossip.mixing.settings import MixingSettings
-
-    for var in TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
-    mixing = MixingSettings(**options)  # int8: blocks of 256 values; 512 per shard
-    n, k = 1024, 2
-    gen = torch.Generator().manual_seed(0)
-    start = {g: torch.randn(n, generator=gen) for g in "ab"}
-    steps = [{g: torch.randn(n, generator=gen) * 0.1 for g in "ab"} for _ in range(3)]
-
-    def build(size: int) -> dict:
-        ids = {g: f"127.0.0.1:{free_base(size)}" for g in "ab"}
-        members = {}
-        for g in "ab":
-            for r in range(size):
-                group = Group(GroupEnv(rank=r, size=size), "ddp", torch.device("cpu"), None)
-                _, view = group.wrap(torch.nn.Linear(256, 4, bias=False))
-                with torch.no_grad():
-                    view.state.flat.copy_(start[g])
-                members[g, r] = GroupMember(group, view, ids[g], sorted(ids.values()), mixing=mixing)
-        return members
-
-    def run(members: dict) -> dict:
-        for m in members.values():
-            m.start()
-        try:
-            _both(*(lambda m=m: m.connect(30) for m in members.values()))
-            for i, delta in enumerate(steps):
-                for (g, _), m in members.items():  # "a local step": the same change on every rank's replica
-                    with torch.no_grad():
-                        m.view.state.flat.add_(delta[g])
-                # no process group links these ranks here: each is handed rank 0's decision itself
-                _both(*(lambda m=m, i=i: m.exchange(i + 1, Decision(i, m.members)) for m in members.values()))
-        finally:
-            for m in members.values():
-                m.close()
-        return members
-
-    whole, sharded = run(build(1)), run(build(k))
-    for g in "ab":
-        full = whole[g, 0].view.flat
-        joined = torch.cat([sharded[g, r].view.flat for r in range(k)])  # rank r's slice is r's to mix
-        assert torch.equal(joined, full)
-        assert not torch.allclose(full, start[g] + sum(d[g] for d in steps))  # it mixed
-        sizes = [sharded[g, r].sent_sizes for r in range(k)]
-        assert all(len(s) == 3 and max(s) < max(whole[g, 0].sent_sizes) * 0.6 for s in sizes)
-        if "outer" in options:  # the outer optimizer's state is per shard too: its momentum, sliced
-            outer = [sharded[g, r].node.rule for r in range(k)]
-            assert torch.equal(torch.cat([o.momentum for o in outer]), whole[g, 0].node.rule.momentum)
-
-
+@pytest.mark.slow
 def test_a_group_resumes_from_its_sharded_checkpoint_where_it_left_off(tmp_path: Path) -> None:
-    k = 2
+    """gossip-node --nproc-per-node 2 --intra fsdp, alone, 4 steps with a checkpoint every 2;
+    the same again with --resume from step 2 ends bit for bit where the straight run ended."""
+    from tests.cluster import Cluster
+    from tests.groups.test_groups_real import FAST, LIMIT, TASK, full_params
+
     ck = tmp_path / "ck"
-    a = f"127.0.0.1:{free_base(k)}"
-    port = a.rpartition(":")[2]
-    common = ["--intra", "fsdp", "--steps", "4", "--period", "1", "--checkpoint-dir", str(ck)]
-    with Ranks(tmp_path) as ranks:
-        ranks.group(k, a, [a], *common, "--checkpoint-every", "2")
-        codes = ranks.wait()
-        assert all(c == 0 for c in codes.values()), {n: ranks.err(n)[-2000:] for n in codes}
-    straight = torch.load(tmp_path / f"params-{port}.pt")
+    common = ["--task", TASK, "--seed", "3", "--steps", "4", "--period", "1", "--intra", "fsdp",
+              "--checkpoint-dir", str(ck), "--json", *FAST]
+    port = free_ports(2, consecutive=True)[0]
+    with Cluster(tmp_path) as c:
+        first = c.start("first", [*common, "--checkpoint-every", "2"], port=port, group=2)
+        assert first.wait(LIMIT) == 0, first.log()[-3000:]
     assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000004"]  # no .tmp left
+    straight = full_params(ck)
     import shutil
 
     shutil.rmtree(ck / "step-00000004")
-    with Ranks(tmp_path) as ranks:  # the same group again, from step 2
-        ranks.group(k, a, [a], *common, "--resume")
-        codes = ranks.wait()
-        assert all(c == 0 for c in codes.values()), {n: ranks.err(n)[-2000:] for n in codes}
-    resumed = torch.load(tmp_path / f"params-{port}.pt")
-    assert _max_diff(resumed, straight) == 0.0  # the optimizer's momentum and the data position came back too
-    from gossip.groups.checkpoint import latest_group_checkpoint, load_group_checkpoint
-    from gossip.groups.group import Group, GroupEnv
-
-    latest = latest_group_checkpoint(ck)
-    assert latest is not None and latest.name == "step-00000002"
-    for size, intra, words in ((1, "fsdp", "written by a group of 2 ranks; this group has 1"),
-                               (2, "ddp", "written with intra 'fsdp', this group runs 'ddp'")):
-        other = Group(GroupEnv(size=size), intra, torch.device("cpu"), None)
-        with pytest.raises(GroupError, match=words):  # refused before anything is loaded
-            load_group_checkpoint(latest, other, None, None, None)
-
-
-def test_with_overlap_a_round_is_mixed_at_the_next_exchange_and_the_last_at_finish(monkeypatch) -> None:
-    from gossip.mixing.settings import MixingSettings
-
-    for var in TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
-    a, b = sorted(f"127.0.0.1:{free_base(1)}" for _ in range(2))
-    n = 64 * 32 + 32
-    overlap = MixingSettings(overlap=True)
-    _, va, ma = _member(a, [a, b], torch.zeros(n), mixing=overlap)
-    _, vb, mb = _member(b, [a, b], torch.full((n,), 4.0), mixing=overlap)
-    with ma, mb:
-        _both(lambda: ma.connect(30), lambda: mb.connect(30))
-        _both(lambda: ma.exchange(1), lambda: mb.exchange(1))
-        assert float(va.flat.max()) == 0.0 and ma.node.mix_totals.mixed == 0  # still in flight
-        with torch.no_grad():
-            va.flat.add_(1.0)  # a local step while round 0 travels
-        done: dict = {}
-        _both(lambda: done.setdefault("a", ma.finish()), lambda: done.setdefault("b", mb.finish()))
-        assert done["a"].mixed == 1 and done["b"].mixed == 1
-        # x += w (x_j - sent): the local step is kept, the correction is round 0's
-        assert torch.allclose(va.flat, torch.full((n,), 1.0 + 0.5 * 4.0))
-        assert torch.allclose(vb.flat, torch.full((n,), 4.0 + 0.5 * (0.0 - 4.0)))
-        assert ma.finish().mixed == 0  # nothing left
-
-
-# -- a group dies, torchrun brings it back, it rejoins -------------------------------------------
-
-DEAD_AFTER, HEARTBEAT = 2.0, 0.25  # the detection time is DEAD_AFTER + HEARTBEAT
-
-
-def _traces(path: Path) -> list[dict]:
-    """The ``trace {...}`` lines a group's ranks wrote (``--trace``) so far."""
-    out = []
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return out
-    for line in text.splitlines():
-        if line.startswith("trace {"):
-            try:
-                out.append(json.loads(line[6:]))
-            except ValueError:  # a line still being written
-                pass
-    return out
-
-
-def _untraced(path: Path, n: int = 3000) -> str:
-    """The end of a group's stderr, without its trace lines."""
-    return "\n".join(line for line in path.read_text(errors="replace").splitlines()
-                     if not line.startswith("trace {"))[-n:]
-
-
-def _wait_for(what: str, check, procs: dict, errs: dict, limit: float = LIMIT):
-    """Poll ``check()`` (every 50 ms) until it returns something true; fail if a torchrun
-    ends first or ``limit`` seconds pass."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        for name, p in procs.items():
-            if p.poll() is not None:
-                raise AssertionError(f"torchrun of group {name} ended (rc {p.returncode}) while waiting for {what}:\n"
-                                     f"{_untraced(errs[name])}")
-        time.sleep(0.05)
-    raise AssertionError(f"no {what} within {limit:g} s:\n" + "\n".join(_untraced(e, 1500) for e in errs.values()))
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except (OSError, ValueError):
-        return []
-
-
-class Torchruns:
-    """Groups A and B, each started by a real torchrun (2 ranks, FSDP, gloo) training until
-    ``stop`` exists, with --trace; torchrun and its ranks are stopped and reaped on exit."""
-
-    def __init__(self, tmp_path: Path, k: int = 2, restarts: dict[str, int] | None = None) -> None:
-        self.tmp, self.k = tmp_path, k
-        self.restarts = restarts or {}
-        self.groups: dict[str, str] = {}
-        self.masters: dict[str, int] = {}
-        taken: set[int] = set()
-        for name in "AB":  # no port twice: a group's ranks listen on base .. base+k-1, torchrun on its own
-            while True:
-                base, master = free_base(k), free_base(1)
-                ports = {*range(base, base + k), master}
-                if len(ports) == k + 1 and not ports & taken:
-                    break
-            taken |= ports
-            self.groups[name], self.masters[name] = f"127.0.0.1:{base}", master
-        if self.groups["A"] > self.groups["B"]:  # A's id first: between two lone groups, A's cluster is the stronger
-            self.groups["A"], self.groups["B"] = self.groups["B"], self.groups["A"]
-        self.stop = tmp_path / "stop"
-        self.procs: dict[str, object] = {}
-        self.errs = {name: tmp_path / f"{name}.err" for name in self.groups}
-
-    def start(self) -> None:
-        import subprocess
-
-        env = {v: os.environ[v] for v in os.environ if v not in TORCHRUN_VARS}
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-        for name, gid in self.groups.items():
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.k),
-                   "--master-addr", "127.0.0.1", "--master-port", str(self.masters[name]), "--monitor-interval", "0.1",
-                   "--max-restarts", str(self.restarts.get(name, 0)),
-                   "-m", "gossip.groups.run", "--group", gid, "--groups", ",".join(self.groups.values()),
-                   "--intra", "fsdp", "--task", TASK, "--seed", str(SEED), "--steps", "1000000", "--period", "2",
-                   "--timeout", "30", "--connect-timeout", "60", "--join-timeout", "60",
-                   "--heartbeat", str(HEARTBEAT), "--dead-after", str(DEAD_AFTER),
-                   "--stop-file", str(self.stop), "--out", str(self.tmp), "--trace"]
-            # the ranks share torchrun's stderr: opened to append, their lines never overwrite each other
-            with open(self.tmp / f"{name}.out", "w") as out, open(self.errs[name], "a") as err:
-                self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=self.tmp)
-
-    def traces(self, name: str) -> list[dict]:
-        return _traces(self.errs[name])
-
-    def rounds(self, name: str, life: str) -> list[dict]:
-        return [t for t in self.traces(name) if t["event"] == "round" and t["life"] == life]
-
-    def wait_for(self, what: str, check):
-        return _wait_for(what, check, self.procs, self.errs)
-
-    def finish(self) -> None:
-        """Stop both groups through the stop file; both must exit 0."""
-        import subprocess
-
-        self.stop.touch()
-        for name, p in self.procs.items():
-            try:
-                p.wait(timeout=LIMIT)
-            except subprocess.TimeoutExpired:
-                for rank in _children(p.pid):  # what each rank still does: its threads' stacks
-                    os.kill(rank, signal.SIGUSR1)
-                time.sleep(2.0)
-                raise AssertionError(f"torchrun of group {name} still running {LIMIT} s after the stop:\n"
-                                     f"{_untraced(self.errs[name], 6000)}") from None
-        logs = {name: _untraced(self.errs[name]) for name in self.groups}
-        assert {name: p.returncode for name, p in self.procs.items()} == {"A": 0, "B": 0}, logs
-
-    def figures(self, name: str) -> list[dict]:
-        port = self.groups[name].rpartition(":")[2]
-        return [json.loads((self.tmp / f"rank-{port}-{r}.json").read_text()) for r in range(self.k)]
-
-    def __enter__(self) -> "Torchruns":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import subprocess
-
-        for p in self.procs.values():  # what is left of a failed run: torchrun and the ranks it started
-            if p.poll() is None:
-                workers = _children(p.pid)
-                for w in workers:  # (a rank stopped by a test must be able to take torchrun's SIGTERM)
-                    try:
-                        os.kill(w, signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    for w in workers:
-                        try:
-                            os.kill(w, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                    p.kill()
-                    p.wait(timeout=10)
-
-
-def _assert_no_long_wait(figures: dict) -> None:
-    """A never waited for a dead or silent group longer than the detection time: its longest
-    gap between two local steps is within it, plus what a step and an ordinary round take
-    here, or this machine's worst hiccup of the run when that is longer (on a loaded
-    machine the detector's own ticks are late by as much)."""
-    gaps = sorted(figures["step_gaps"])
-    assert len(gaps) >= 40
-    # the 90th percentile: a step and its round's wait (every other step exchanges), on this machine now
-    ordinary = gaps[len(gaps) * 9 // 10]
-    hiccup = gaps[-2]  # the longest gap but the one the death is in
-    bound = DEAD_AFTER + HEARTBEAT + max(0.5 + 4 * ordinary, hiccup)
-    assert max(gaps) <= bound, (max(gaps), bound, gaps[-5:])
-
-
-def _assert_took_the_donors_shards(donor: list[dict], joiner: list[dict], groups: tuple[str, str]) -> int:
-    """Every rank r of the joiner started from the shard rank r of the donor handed it, at one round."""
-    rounds = set()
-    for r, (d, j) in enumerate(zip(donor, joiner)):
-        handed = d["handed"][-1]
-        took = j["took"]
-        assert took["from"] == rank_address(groups[0], r) and handed["to"] == rank_address(groups[1], r)
-        assert took["sha256"] == handed["sha256"] and took["round"] == handed["round"]
-        assert took["step"] == handed["step"]
-        rounds.add(took["round"])
-    assert len(rounds) == 1
-    return rounds.pop()
-
-
-def test_a_group_killed_mid_run_restarts_through_torchrun_and_rejoins_while_the_other_keeps_training(
-        tmp_path: Path) -> None:
-    with Torchruns(tmp_path, restarts={"B": 1}) as run:
-        run.start()
-        # both groups train together ...
-        run.wait_for("rounds of A and B", lambda: len(run.rounds("B", "0")) >= 10 and len(run.rounds("A", "0")) >= 10)
-        victim = next(t["pid"] for t in run.traces("B") if t["event"] == "training" and t["rank"] == 1)
-        os.kill(victim, signal.SIGKILL)  # ... until one rank of B dies: B's whole group goes down
-        # torchrun restarts B; B's new life takes each rank's shard from A
-        joined = run.wait_for("B's new life joining", lambda: [t for t in run.traces("B")
-                                                              if t["event"] == "joined" and t["life"] == "1"])
-        first = joined[0]["round"]
-        run.wait_for("rounds of A and B after the join",
-                     lambda: sum(1 for t in run.rounds("B", "1") if t["round"] >= first) >= 10
-                     and sum(1 for t in run.rounds("A", "0") if t["round"] >= first) >= 10)
-        run.finish()  # both finish
-    groups = run.groups
-    a, b = run.figures("A"), run.figures("B")
-    lives = {t["life"] for t in run.traces("B") if t["event"] == "training"}
-    assert lives == {"0", "1"} and all(s["life"] == "1" for s in b)  # B's figures are its second life's
-    # A detected the death on its own (rank 0's heartbeats) and went on alone until B was back
-    events = [e["event"] for e in a[0]["events"]]
-    assert events[:2] == ["dropped", "handover"], a[0]["events"]
-    assert "silent" in a[0]["events"][0]["reason"] or "new life" in a[0]["events"][0]["reason"]
-    assert any(t["members"] == [groups["A"]] for t in run.rounds("A", "0"))
-    assert _assert_took_the_donors_shards(a, b, (groups["A"], groups["B"])) == first
-    assert all(s["first_step"] - 1 == s["took"]["step"] for s in b)
-    # then it trained in step with A: the same rounds, mixed with A's, neither waiting out a timeout
-    for s in a + b:
-        assert s["timed_out"] == 0 and s["rejected"] == {}, s
-    assert all(s["mixed"] >= 10 for s in b)
-    assert abs(a[0]["round"] - b[0]["round"]) <= 1
-    assert run.rounds("B", "1")[0]["members"] == sorted(groups.values())
-    _assert_no_long_wait(a[0])
-
-
-def test_a_group_paused_past_the_detection_time_is_dropped_and_rejoins_as_a_new_life(tmp_path: Path) -> None:
-    """SIGSTOP of a whole group for longer than dead_after: the other group drops it and trains
-    on; the paused one, back, hears that it was dropped and (its cluster the weaker) rejoins,
-    taking each rank's shard, without any torchrun restart."""
-    with Torchruns(tmp_path) as run:
-        run.start()
-        run.wait_for("rounds of A and B", lambda: len(run.rounds("B", "0")) >= 10 and len(run.rounds("A", "0")) >= 10)
-        ranks = [t["pid"] for t in run.traces("B") if t["event"] == "training"]
-        assert len(ranks) == 2
-        for pid in ranks:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            run.wait_for("A dropping B", lambda: [t for t in run.traces("A") if t["event"] == "dropped"])
-            before = len(run.rounds("A", "0"))
-            run.wait_for("A training alone", lambda: len(run.rounds("A", "0")) >= before + 5)
-        finally:
-            for pid in ranks:
-                os.kill(pid, signal.SIGCONT)
-        joined = run.wait_for("B rejoining", lambda: [t for t in run.traces("B") if t["event"] == "joined"])
-        first = joined[0]["round"]
-        run.wait_for("rounds of A and B after the rejoin",
-                     lambda: sum(1 for t in run.rounds("B", "0") if t["round"] >= first) >= 10
-                     and sum(1 for t in run.rounds("A", "0") if t["round"] >= first) >= 10)
-        run.finish()
-    groups = run.groups
-    a, b = run.figures("A"), run.figures("B")
-    assert all(s["life"] == "0" for s in a + b)  # no restart: B's first life took A's shards
-    assert [e["event"] for e in a[0]["events"]][:2] == ["dropped", "handover"], a[0]["events"]
-    assert "rejoin" in [e["event"] for e in b[0]["events"]], b[0]["events"]
-    assert _assert_took_the_donors_shards(a, b, (groups["A"], groups["B"])) == first
-    for s in a + b:
-        assert s["timed_out"] == 0, s
-    assert abs(a[0]["round"] - b[0]["round"]) <= 1
-    _assert_no_long_wait(a[0])
+    with Cluster(tmp_path) as c:
+        again = c.start("again", [*common, "--resume"], port=port, group=2)
+        assert again.wait(LIMIT) == 0, again.log()[-3000:]
+        summary = again.summary()
+    assert summary["steps"] == 4 and summary["resumed_from"] == str(ck / "step-00000002")
+    resumed = full_params(ck)
+    assert sorted(resumed) == sorted(straight)
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)  # momentum and data position came back
