@@ -84,7 +84,8 @@ _FORMS = ("sgd:lr=L[,momentum=M], nesterov:lr=L,momentum=M, noloco:lr=L,momentum
 
 @dataclass(frozen=True)
 class OuterSpec:
-    """An outer optimizer: ``kind`` (sgd, nesterov, noloco), learning rate, momentum.
+    """An outer optimizer: ``kind`` (sgd, nesterov, noloco), learning rate, momentum (None:
+    the kind's defaults, :data:`OUTER_KINDS`, written there only).
 
     exchange : ``params`` (the rule mixes the parameters) or ``pseudograd`` (compressed
         pseudo-gradients with error feedback are mixed; :mod:`gossip.mixing.pseudograd`)
@@ -93,8 +94,8 @@ class OuterSpec:
     """
 
     kind: str = "sgd"
-    lr: float = 1.0
-    momentum: float = 0.0
+    lr: float | None = None
+    momentum: float | None = None
     exchange: str = "params"
     fragments: int = 1
 
@@ -110,6 +111,11 @@ class OuterSpec:
         if isinstance(f, bool) or not isinstance(f, int) or f < 1:
             raise ValueError(f"outer: fragments must be an integer >= 1, got {self.fragments!r}; valid: {_FORMS}")
         object.__setattr__(self, "fragments", f)
+        lr, momentum = OUTER_KINDS[self.kind]
+        if self.lr is None:
+            object.__setattr__(self, "lr", lr)
+        if self.momentum is None:
+            object.__setattr__(self, "momentum", momentum)
         for name, lo, hi, closed in (("lr", 0.0, 2.0, True), ("momentum", 0.0, 1.0, False)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -152,8 +158,7 @@ def parse_outer(spec: Any) -> OuterSpec:
     kind = kind.strip().lower()
     if kind not in OUTER_KINDS:
         raise ValueError(f"outer: unknown optimizer {kind!r} in {spec!r}; valid: {_FORMS}")
-    lr, momentum = OUTER_KINDS[kind]
-    values: dict[str, Any] = {"lr": lr, "momentum": momentum, "exchange": "params", "fragments": 1}
+    values: dict[str, Any] = {"lr": None, "momentum": None, "exchange": "params", "fragments": 1}
     for item in filter(None, (i.strip() for i in rest.split(","))):
         key, eq, text = item.partition("=")
         key, text = key.strip(), text.strip()

@@ -615,3 +615,14 @@ def test_overlapped_pseudograd_keeps_the_inner_steps_made_while_the_round_travel
     assert torch.allclose(x, phi + 10.0)
     rule.outgoing(x, topo, 0, 1)                # the next pseudo-gradient: only the 10 made since
     assert torch.allclose(rule._own[1], torch.full((3,), -10.0))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "nesterov", "noloco"])
+def test_an_outer_optimizers_defaults_are_one_and_the_same_however_it_is_made(kind):
+    """OuterSpec(kind) used to be lr 1 / momentum 0 for every kind while the parser gave
+    nesterov 0.7 / 0.9: the kind's defaults are now written once (OUTER_KINDS)."""
+    from gossip.mixing.outer import OUTER_KINDS
+
+    lr, momentum = OUTER_KINDS[kind]
+    assert OuterSpec(kind) == parse_outer(kind) == OuterSpec(kind, lr, momentum)
+    assert OuterSpec(kind, lr=0.5).momentum == momentum and parse_outer(f"{kind}:lr=0.5") == OuterSpec(kind, 0.5)
