@@ -184,6 +184,20 @@ class FlatState:
                 return False
         return True
 
+    def rebind(self) -> None:
+        """Make the module's tensors views of :attr:`flat` again, taking their current
+        values: a framework that replaced them (``load_state_dict(assign=True)``, a
+        ``param.data = ...``) breaks the binding (see :meth:`is_bound`)."""
+        with torch.no_grad():
+            for s in self.slots:
+                t = getattr(s.module, s.attr)
+                self.flat[s.offset : s.offset + s.numel].copy_(t.detach().reshape(-1))
+                view = self.flat[s.offset : s.offset + s.numel].view(s.shape)
+                if s.is_param:
+                    getattr(s.module, s.attr).data = view
+                else:
+                    s.module._buffers[s.attr] = view
+
     def sha256(self) -> str:
         """Hash of the parameter bytes: equal hashes mean bit-identical models."""
         return sha256_of(self.flat)
