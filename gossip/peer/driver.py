@@ -34,7 +34,7 @@ import torch
 
 from gossip.core.actions import Compute, Poll, Release, Send
 from gossip.core.message import Message
-from gossip.core.state import FlatState, fingerprint_of
+from gossip.core.state import FlatState, fingerprint_of, model_spec
 from gossip.peer.report import Reporter
 from gossip.protocol.config import PeerConfig
 from gossip.protocol.lifecycle import Lifecycle
@@ -82,6 +82,7 @@ class Peer:
             the_task = None
             device = next(model.parameters()).device
             fingerprint = fingerprint_of(model)
+            spec = model_spec(model)
             self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         else:
             the_task = get_task(config.task if task is None else task)
@@ -90,6 +91,7 @@ class Peer:
             probe_model = init_model(the_task, config.seed, "cpu")
             probe = FlatState(probe_model)
             fingerprint = probe.fingerprint
+            spec = model_spec(probe_model)
             self.model_bytes = probe.nbytes
             # The first optimizer makes torch import its compiler stack (seconds on a busy
             # machine): pay that now, before peers can be kept waiting for us to start.
@@ -103,6 +105,7 @@ class Peer:
                               reconnect=self._reconnect, new_incarnation=_wall_incarnation, origin=self.t0,
                               clock=self.clock, model=model, optimizer=optimizer)
         self.life.to_node = self.inbound.put  # the I/O thread hands them to the training thread
+        self.control.model_spec = spec  # a peer with another model is told which tensor differs
         # a state-reply carries the parameters, each outer optimizer's momentum and the inner
         # optimizer's state (two copies for Adam; a larger state travels without it, see Node.handover)
         mixing = config.mixing

@@ -43,6 +43,7 @@ from gossip.peer.driver import Peer
 from gossip.protocol import joining
 from gossip.protocol.config import PeerConfig
 from gossip.protocol.errors import PeerError
+from gossip.protocol.timing import TIMING_OPTIONS
 from gossip.training.node import resolve_device
 from gossip.training.sampler import ShardSampler, sampler_of, shard
 from gossip.training.sampler import steps_per_epoch as _steps_per_epoch
@@ -67,7 +68,7 @@ REFUSED = {
 _OWN = ("listen", "peers", "mixing", "checkpoint_dir", "checkpoint_every", "resume")
 #: the gossip-node options GossipNode takes as keywords (besides its own parameters)
 OPTIONS = tuple(sorted({f.name for f in dataclasses.fields(PeerConfig)} - set(_OWN) - set(REFUSED)
-                       | set(MIXING_OPTIONS) | {"threads", "peers_file"}))
+                       | set(MIXING_OPTIONS) | set(TIMING_OPTIONS) | {"threads", "peers_file"}))
 
 
 class ClusterFinished(joining.ClusterFinished, SystemExit):

@@ -235,6 +235,7 @@ class Lifecycle:
         former = [m for m in load_members(cfg.checkpoint_dir) if m != self.id and m not in seeds
                   and _is_address(m)] if cfg.resume and cfg.checkpoint_dir else []
         warned = False
+        refused_at: float | None = None  # when every seed had refused this node
         last_note = asked = last_former = start
         self.control.apply(self.control.hello_all(former))
         while not self.stop.is_set():
@@ -281,7 +282,7 @@ class Lifecycle:
                 if now - last_note >= 2.0:
                     last_note = now
                     log.info("%s: waiting to start with %d member(s): %s", self.id, len(others) + 1, why)
-            if not others and seeds and now - last_note >= 2.0:
+            if not others and seeds and not self.control.conflicts and now - last_note >= 2.0:
                 last_note = now  # a lone node says what it waits for, not only when join_timeout ends
                 log.info("%s: no peer has answered yet (%s); training alone in %.0f s (join_timeout) if "
                          "none does", self.id, ", ".join(seeds), max(0.0, cfg.timing.join_timeout - (now - start)))
@@ -293,6 +294,14 @@ class Lifecycle:
                 log.warning("%s: no peer answered within %.0f s; training alone (late peers will join)",
                             self.id, cfg.timing.join_timeout)
                 return "fresh"
+            if not others and seeds and all(sd in self.control.conflicts for sd in seeds):
+                # every seed answered, and refuses us (another model, another version): nothing
+                # to wait for. A moment for the peer's goodbye that names the difference
+                refused_at = now if refused_at is None else refused_at
+                named = all("runs another model" in self.control.conflicts[sd] or not
+                            self.control.conflicts[sd].startswith("fingerprint") for sd in seeds)
+                if named or now - refused_at >= max(1.0, 4 * cfg.timing.heartbeat):
+                    raise PeerError("; ".join(sorted({self.control.conflicts[sd] for sd in seeds})))
             if not others and self.control.conflicts and not warned:
                 warned = True
                 log.error("%s: %s", self.id, "; ".join(sorted(set(self.control.conflicts.values()))))
