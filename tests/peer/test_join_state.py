@@ -189,16 +189,28 @@ def test_a_node_started_after_the_cluster_formed_trains_its_own_share(tmp_path):
     assert lr == epoch_at(a, step + 1)[1], (lr, a)
 
 
-def test_a_node_whose_cluster_finishes_before_its_join_round_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("how", ["started later", "restarted"])
+def test_a_node_whose_cluster_finishes_before_its_join_round_exits_cleanly(tmp_path, how):
     """Its join is scheduled 200 rounds ahead; the cluster stops after its current epoch:
-    nobody will ever hand it a state. It says so in one line and exits with status 0."""
+    nobody will ever hand it a state. It says so in one line and exits with status 0,
+    whether it is new to the cluster or a member killed and started again (with a
+    checkpoint of its own: a restart near the end, which once crashed with ClusterGone)."""
     run = Run(tmp_path, 3, join_margin=200)
     try:
-        n0, n1 = run.start(0, "n0", seed=1), run.start(1, "n1", seed=0)
-        wait_until(lambda: run.epochs_printed(n0), 240, "the cluster of two trained no epoch", [n0, n1])
-        n2 = run.start(2, "n2", seed=0)
-        wait_until(lambda: re.search(rf"127.0.0.1:{n2.port} joins the running cluster from round", n0.log() + n1.log()),
-                   240, "no member scheduled n2's join", [n0, n1, n2])
+        if how == "started later":
+            n0, n1 = run.start(0, "n0", seed=1), run.start(1, "n1", seed=0)
+            wait_until(lambda: run.epochs_printed(n0), 240, "the cluster of two trained no epoch", [n0, n1])
+        else:
+            n0, n1, n2 = run.start(0, "n0", seed=1), run.start(1, "n1", seed=0), run.start(2, "n2", seed=0)
+            wait_until(lambda: run.epochs_printed(n2) and list((tmp_path / "ck2").glob("ckpt-*.pt")), 240,
+                       "n2 finished no epoch", [n0, n1, n2])
+            n2.proc.send_signal(signal.SIGKILL)
+            n2.proc.wait(timeout=10)
+        joins = rf"127.0.0.1:{run.ports[2]} joins the running cluster from round"
+        before = len(re.findall(joins, n0.log() + n1.log()))  # (the killed life may have joined late too)
+        n2 = run.start(2, "n2" if how == "started later" else "n2b", seed=0)
+        wait_until(lambda: len(re.findall(joins, n0.log() + n1.log())) > before, 240,
+                   "no member scheduled n2's join", [n0, n1, n2])
         run.stop_after(0)
         for p in (n0, n1, n2):
             p.proc.wait(timeout=240)
