@@ -183,7 +183,13 @@ def test_a_node_started_after_the_cluster_formed_trains_its_own_share(tmp_path):
         if e <= joined_epoch:
             assert not ids[2].get(e) and disjoint([ids[0][e], ids[1][e]]), e
     ends = [finished(p) for p in (n0, n1, n2)]
-    assert len({s for s, _, _ in ends}) == 1 and all(t == 0 for _, _, t in ends), ends
+    assert len({s for s, _, _ in ends}) == 1 and ends[2][2] == 0, ends
+    # no round timed out from the join on (before it, a loaded machine may stall the two founders:
+    # that is not what this test is about)
+    join_round = int(re.search(rf"127.0.0.1:{n2.port} joins the running cluster from round (\d+)",
+                               n0.log() + n1.log()).group(1))
+    late = [int(r) for p in (n0, n1) for r in re.findall(r"round (\d+) timed out", p.log()) if int(r) >= join_round]
+    assert late == [], (late, join_round)
     assert ends[2][1] == 10 * (len(c) - 1), ends  # trained its share only: no step of the epoch it had no shard of
     donor, step, lr, _ = the_handover(n2, [n0, n1])
     assert lr == epoch_at(a, step + 1)[1], (lr, a)

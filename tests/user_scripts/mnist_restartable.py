@@ -54,7 +54,7 @@ def main():
     optimizer = optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
     node = gossip.GossipNode(model, optimizer, scheduler=scheduler, checkpoint_dir=args.checkpoints,
-                             checkpoint_every=5, heartbeat=0.25, dead_after=2.0, join_margin=args.join_margin)
+                             checkpoint_every=5, heartbeat=0.25, dead_after=6.0, join_margin=args.join_margin)
     train_ds = digits(args.train_size, 0)
     train_loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=node.sampler(train_ds))
     print(f"start step {node.steps} lr {optimizer.param_groups[0]['lr']:.8g}", flush=True)
