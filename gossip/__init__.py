@@ -36,11 +36,12 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "simulate", "Simulation", "SimConfig", "SimulationResult", "GossipNode",
-           "MixingSettings", "ShardSampler", "shard"]
+           "MixingSettings", "ShardSampler", "shard", "init", "ClusterFinished"]
 
 _LAZY = {"simulate": "gossip.api", "Simulation": "gossip.api", "SimConfig": "gossip.api",
          "SimulationResult": "gossip.api", "MixingSettings": "gossip.mixing.settings",
-         "GossipNode": "gossip.peer.user_loop", "ShardSampler": "gossip.training.sampler", "shard": "gossip.training.sampler"}
+         "GossipNode": "gossip.peer.user_loop", "init": "gossip.peer.user_loop",
+         "ClusterFinished": "gossip.peer.user_loop", "ShardSampler": "gossip.training.sampler", "shard": "gossip.training.sampler"}
 
 
 def __getattr__(name: str):

@@ -326,7 +326,7 @@ def build_node_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=_nonneg_int("--eval-every"), default=0, metavar="S",
                    help="local steps between evaluations in --log (default: steps/10)")
     p.add_argument("--max-message-mb", type=float, default=0.0, metavar="MB",
-                   help="largest message accepted (default: twice the model + 1 MiB)")
+                   help="largest message accepted (default: three models, more with outer momenta, + 1 MiB)")
     p.add_argument("--emulate", action="append", default=None, metavar="CLASS:SPEC",
                    help="emulate slow links on one machine (off by default): CLASS intra, inter or all, SPEC as "
                         "--link in gossip-sim, e.g. inter:latency=50ms,bandwidth=100Mbit,loss=0.01; "
@@ -533,10 +533,15 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     from gossip.transport.zmq import BindError
 
+    from gossip.protocol.joining import ClusterFinished
+
     try:
         summary = peer.run()
     except BindError as e:
         return _fail("gossip-node", str(e))
+    except ClusterFinished as e:  # started (or restarted) after the end: nothing left to train
+        print(f"gossip-node: {e}; nothing left to train", file=sys.stderr)
+        return 0
     except PeerError as e:
         return _fail("gossip-node", str(e))
     finally:

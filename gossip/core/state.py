@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FlatState", "model_fingerprint", "fingerprint_of", "sha256_of"]
+__all__ = ["FlatState", "model_fingerprint", "fingerprint_of", "sha256_of", "model_spec", "first_difference"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,42 @@ def fingerprint_of(model: nn.Module, include_buffers: bool = True) -> str:
     dtypes = {t.dtype for *_, t, _ in entries}
     dtype = str(dtypes.pop()) if len(dtypes) == 1 else "mixed"
     return model_fingerprint([(name, tuple(t.shape), dtype) for name, _, _, t, _ in entries])
+
+
+def model_spec(model: nn.Module, include_buffers: bool = True) -> list[str]:
+    """What the fingerprint hashes, readable: ``"name|shape|dtype"`` per floating tensor,
+    in order (sent to a peer whose fingerprint differs, so both can name the difference)."""
+    return [f"{name}|{'x'.join(map(str, t.shape))}|{str(t.dtype).split('.')[-1]}"
+            for name, _, _, t, _ in _float_entries(model, include_buffers)]
+
+
+def first_difference(mine: list[str], theirs: list[str]) -> str:
+    """The first tensor where two :func:`model_spec` lists differ, in words.
+
+    >>> first_difference(["fc.weight|4x8|float32", "fc.bias|4|float32"], ["fc.weight|4x16|float32"])
+    "parameter 'fc.weight': shape (4, 8) float32 here, (4, 16) float32 there"
+    >>> first_difference(["a|2|float32"], ["a|2|float32", "b|3|float32"])
+    "parameter 'b' (shape (3,) float32) only there"
+    """
+    def words(entry: str) -> tuple[str, str]:
+        name, _, rest = entry.partition("|")
+        shape, _, dtype = rest.partition("|")
+        dims = tuple(int(d) for d in shape.split("x") if d.isdigit())
+        return name, f"{dims} {dtype}"
+
+    for a, b in zip(mine, theirs):
+        if a != b:
+            (na, wa), (nb, wb) = words(a), words(b)
+            if na == nb:
+                return f"parameter {na!r}: shape {wa} here, {wb} there"
+            return f"parameter {na!r} ({wa}) here where there is {nb!r} ({wb})"
+    if len(mine) > len(theirs):
+        name, w = words(mine[len(theirs)])
+        return f"parameter {name!r} (shape {w}) only here"
+    if len(theirs) > len(mine):
+        name, w = words(theirs[len(mine)])
+        return f"parameter {name!r} (shape {w}) only there"
+    return "the same parameters (names, shapes, dtypes): another build of the model or of gossip"
 
 
 class FlatState:
@@ -183,6 +219,20 @@ class FlatState:
             if t.untyped_storage().data_ptr() != base:
                 return False
         return True
+
+    def rebind(self) -> None:
+        """Make the module's tensors views of :attr:`flat` again, taking their current
+        values: a framework that replaced them (``load_state_dict(assign=True)``, a
+        ``param.data = ...``) breaks the binding (see :meth:`is_bound`)."""
+        with torch.no_grad():
+            for s in self.slots:
+                t = getattr(s.module, s.attr)
+                self.flat[s.offset : s.offset + s.numel].copy_(t.detach().reshape(-1))
+                view = self.flat[s.offset : s.offset + s.numel].view(s.shape)
+                if s.is_param:
+                    getattr(s.module, s.attr).data = view
+                else:
+                    s.module._buffers[s.attr] = view
 
     def sha256(self) -> str:
         """Hash of the parameter bytes: equal hashes mean bit-identical models."""

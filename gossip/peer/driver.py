@@ -34,7 +34,7 @@ import torch
 
 from gossip.core.actions import Compute, Poll, Release, Send
 from gossip.core.message import Message
-from gossip.core.state import FlatState, fingerprint_of
+from gossip.core.state import FlatState, fingerprint_of, model_spec
 from gossip.peer.report import Reporter
 from gossip.protocol.config import PeerConfig
 from gossip.protocol.lifecycle import Lifecycle
@@ -82,6 +82,7 @@ class Peer:
             the_task = None
             device = next(model.parameters()).device
             fingerprint = fingerprint or fingerprint_of(model)  # (a group's: its shard layout)
+            spec = model_spec(model)
             self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         else:
             the_task = get_task(config.task if task is None else task)
@@ -90,6 +91,7 @@ class Peer:
             probe_model = init_model(the_task, config.seed, "cpu")
             probe = FlatState(probe_model)
             fingerprint = probe.fingerprint
+            spec = model_spec(probe_model)
             self.model_bytes = probe.nbytes
             # The first optimizer makes torch import its compiler stack (seconds on a busy
             # machine): pay that now, before peers can be kept waiting for us to start.
@@ -104,12 +106,15 @@ class Peer:
                               reconnect=self._reconnect, new_incarnation=_wall_incarnation, origin=self.t0,
                               clock=self.clock, model=model, optimizer=optimizer)
         self.life.to_node = self.inbound.put  # the I/O thread hands them to the training thread
-        # a state-reply carries the parameters and each outer optimizer's momentum
+        self.control.model_spec = spec  # a peer with another model is told which tensor differs
+        # a state-reply carries the parameters, each outer optimizer's momentum and the inner
+        # optimizer's state (two copies for Adam; a larger state travels without it, see Node.handover)
         mixing = config.mixing
         momenta = sum(1 for c in ("intra", "inter") if mixing.for_link(c).outer.momentum > 0) \
             if mixing.link_policy else int(mixing.outer.momentum > 0)
-        copies = max(2, 1 + momenta)
+        copies = 3 + momenta
         cap = config.max_message_mb * 2**20 if config.max_message_mb else copies * self.model_bytes + 2**20
+        self.life.handover_limit = int(cap) - 2**17  # (the header and framing)
         listen = "tcp://" + parse_address(config.listen, "--listen")
         links = emulated_links(config.emulate)
         self.shaper = None if links is None else SimNetwork(links, self._link_class, seed=config.seed,
@@ -249,17 +254,15 @@ class Peer:
     def start(self) -> bool:
         """Bind, find the cluster and build the node; False if stopped before starting.
 
-        Raises :class:`~gossip.transport.zmq.BindError` if the address is taken and
-        :class:`PeerError` if no peer will mix with us.
+        Raises :class:`~gossip.transport.zmq.BindError` if the address is taken,
+        :class:`PeerError` if no peer will mix with us, and its subclass
+        :class:`~gossip.protocol.joining.ClusterFinished` if the cluster it would join
+        has finished training.
         """
         self.transport.start()
         log.info("%s: listening (incarnation %d, model %s)", self.id, self.incarnation, self.fingerprint)
         self.report.open(self.cfg.log, self.cfg.tensorboard)
-        mode = self._run(self.life.discover())
-        if mode is None:
-            return False
-        self._start(mode)
-        return True
+        return bool(self._run(self.life.start()))
 
     def _start(self, mode: str) -> None:
         self._run(self.life.begin(mode))

@@ -9,14 +9,21 @@ whose data ends first keeps taking part in rounds until the others end (like
 DDP's ``Join``), checkpoints are written and resumed (:meth:`GossipNode.epochs`
 says where to continue), metrics and the model can be averaged over the cluster,
 and SIGTERM / Ctrl+C end with a final checkpoint and a goodbye.
+
+A node that joins a running cluster takes the whole training state of a member at
+the join: parameters, the optimizer's state and learning rates, the schedulers'
+state and the data position (:mod:`gossip.peer.data_plan`); its own checkpoint
+only when that is newer. :func:`init` is the early form (``hvd.init()``): it
+joins before any loader or framework object exists, and :meth:`GossipNode.attach`
+hands over the optimizer and schedulers afterwards.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
-import math
 import os
 import re
 import signal
@@ -27,26 +34,56 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from gossip.compression import get_codec
-from gossip.core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from gossip.core.message import Message
-from gossip.mixing.base import decode_payload
-from gossip.mixing.settings import MixingSettings
+from gossip.core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_members
+from gossip.core.train_state import TrainStateError, plain, restore_plain
+from gossip.mixing.settings import MIXING_OPTIONS, MixingSettings
+from gossip.peer.collectives import Collectives
+from gossip.peer.data_plan import EpochPlan, roll_forward
 from gossip.peer.driver import Peer
+from gossip.protocol import joining
 from gossip.protocol.config import PeerConfig
 from gossip.protocol.errors import PeerError
+from gossip.protocol.timing import TIMING_OPTIONS
+from gossip.training.node import resolve_device
 from gossip.training.sampler import ShardSampler, sampler_of, shard
 from gossip.training.sampler import steps_per_epoch as _steps_per_epoch
 
-__all__ = ["GossipNode"]
+__all__ = ["GossipNode", "init", "ClusterFinished", "OPTIONS"]
 
 log = logging.getLogger("gossip.user_loop")
 
 _FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
 
+# gossip-node's options that mean nothing to a loop of the user's own, and why
+REFUSED = {
+    "steps": "a training loop of your own ends when its data does (node.epochs(...)); leave steps out",
+    "task": "the model and optimizer given to GossipNode are what it trains; leave task out",
+    "split": "your loader decides the data (node.sampler(dataset) shards it); leave split out",
+    "slurm": "pass listen=, peers= (or GOSSIP_LISTEN / GOSSIP_PEERS) from the srun environment instead",
+    "slurm_port": "pass listen=, peers= (or GOSSIP_LISTEN / GOSSIP_PEERS) from the srun environment instead",
+    "config": "pass the options as keywords",
+    "json": "close() returns the summary",
+    "progress": "a loop of your own draws its own progress",
+}
+_OWN = ("listen", "peers", "mixing", "checkpoint_dir", "checkpoint_every", "resume")
+#: the gossip-node options GossipNode takes as keywords (besides its own parameters)
+OPTIONS = tuple(sorted({f.name for f in dataclasses.fields(PeerConfig)} - set(_OWN) - set(REFUSED)
+                       | set(MIXING_OPTIONS) | set(TIMING_OPTIONS) | {"threads", "peers_file"}))
+
+
+class ClusterFinished(joining.ClusterFinished, SystemExit):
+    """Every member of the cluster this node would join has finished training: there is
+    nothing left to train. Uncaught, it ends the script with exit status 0 (it is a
+    ``SystemExit``), after one line in the log; catch it to do something else."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = 0
+
 
 def _api_names(message: str) -> str:
     """``--world-size`` -> ``world_size``: errors of the Python API name its parameters, not CLI flags."""
+    message = re.sub(r"--advertise HOST:PORT", "advertise='HOST:PORT'", message)
     return _FLAG.sub(lambda m: m.group(1).replace("-", "_"), message)
 
 
@@ -62,18 +99,66 @@ def _default_logging() -> None:
         lib.setLevel(logging.INFO)
 
 
-def _schedulers(scheduler: Any, optimizer: Any) -> list[Any]:
+def _check_options(options: dict[str, Any]) -> None:
+    """Every keyword is an option GossipNode uses: refuse the others, saying why."""
+    for name in options:
+        if name in REFUSED:
+            raise ValueError(f"{name} is not an option of GossipNode: {REFUSED[name]}")
+        if name not in OPTIONS and name != "options":
+            raise ValueError(f"unknown option {name!r} for GossipNode; valid: {', '.join(OPTIONS)}")
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a framework's wrapper (Accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``): the one whose step hooks run."""
+    seen = 0
+    while seen < 8:
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            inner = getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer or not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer, seen = inner, seen + 1
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer (or wrap one), got {type(optimizer).__name__}")
+    return optimizer
+
+
+def unwrap_scheduler(scheduler: Any) -> Any:
+    """The torch scheduler inside Accelerate's ``AcceleratedScheduler``."""
+    inner = getattr(scheduler, "scheduler", None)
+    return inner if inner is not None and callable(getattr(inner, "state_dict", None)) else scheduler
+
+
+def _schedulers(scheduler: Any, optimizer: torch.optim.Optimizer | None) -> list[Any]:
     """``scheduler=`` as a list, each checked to be a scheduler of ``optimizer``."""
     if scheduler is None:
         return []
-    found = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+    found = [unwrap_scheduler(s) for s in (scheduler if isinstance(scheduler, (list, tuple)) else [scheduler])]
     for s in found:
         if not (callable(getattr(s, "state_dict", None)) and callable(getattr(s, "load_state_dict", None))):
             raise ValueError(f"scheduler must be a learning-rate scheduler (state_dict / load_state_dict), "
                              f"got {type(s).__name__}")
-        if getattr(s, "optimizer", optimizer) is not optimizer:
+        if optimizer is None:
+            raise ValueError("scheduler needs the optimizer it schedules: pass optimizer too")
+        theirs = getattr(s, "optimizer", None)
+        if theirs is not None and unwrap_optimizer(theirs) is not optimizer:
             raise ValueError("scheduler must schedule the optimizer given to GossipNode, not another one")
     return found
+
+
+def _set_last_lrs(schedulers: list[Any]) -> None:
+    """The optimizer's learning rates as the schedulers last set them (a scheduler made
+    after the optimizer's state was loaded reset them to its base rates)."""
+    for s in schedulers:
+        last = getattr(s, "_last_lr", None)
+        opt = getattr(s, "optimizer", None)
+        if isinstance(last, (list, tuple)) and opt is not None and len(last) == len(opt.param_groups):
+            for group, lr in zip(opt.param_groups, last):
+                if isinstance(group.get("lr"), torch.Tensor):
+                    group["lr"].fill_(float(lr))
+                else:
+                    group["lr"] = lr
 
 
 class GossipNode:
@@ -82,7 +167,7 @@ class GossipNode:
     Wrap the model and optimizer once; the loop stays as it is::
 
         node = gossip.GossipNode(model, optimizer, listen="10.0.0.1:5555", peers=["10.0.0.2:5555"],
-                                 checkpoint_dir="ckpt", checkpoint_every=100)
+                                 checkpoint_dir="ckpt", checkpoint_every=100, scheduler=sched)
         loader = DataLoader(dataset, batch_size=64, sampler=node.sampler(dataset))
         for epoch in node.epochs(range(1, epochs + 1), loader):   # from where a restart left off
             train(model, loader, optimizer, epoch)                 # optimizer.step() gossips
@@ -93,29 +178,51 @@ class GossipNode:
     ``gossip-node``). Every ``optimizer.step()`` counts a local step (a
     post-step hook; without an optimizer, call :meth:`step`) and every
     ``period`` steps the node exchanges with its neighbours and mixes.
+    Without an optimizer (:func:`init`), :meth:`attach` gives it later.
 
     Parameters
     ----------
-    model, optimizer : the replica this node trains and its optimizer
+    model, optimizer : the replica this node trains and its optimizer (or a framework's
+        wrapper of one)
     listen : ``HOST:PORT`` to bind (default: the environment's ``GOSSIP_LISTEN``)
     peers : some existing members, a list or a comma-separated string (default: ``GOSSIP_PEERS``)
     mixing : a :class:`~gossip.mixing.settings.MixingSettings`, or its options flat (``period=4``)
     checkpoint_dir, checkpoint_every : a checkpoint every that many steps and at the end
-    scheduler : a learning-rate scheduler of ``optimizer`` (or a list of them) whose state goes
-        into every checkpoint and comes back with the optimizer's on resume
+    scheduler : learning-rate scheduler(s) of ``optimizer``: their state goes into every
+        checkpoint and to a joiner, and comes back on resume
     resume : continue from the newest checkpoint in ``checkpoint_dir``; default: when there is one
     same_start : every member takes the first member's parameters before the first step (like
         Horovod's ``broadcast_parameters``); members that resume or join keep theirs
     handle_signals : SIGTERM and Ctrl+C stop at the next step with a final checkpoint and a goodbye
-    options : the other :class:`~gossip.protocol.config.PeerConfig` fields (``topology``, ``timeout``, ``grace`` ...)
+    resume_step : the step of a framework's own checkpoint this node resumes from (told to the
+        others while it waits: a cluster restarted as a whole starts at the furthest member's step)
+    options : any of :data:`OPTIONS` (``topology``, ``timeout``, ``device``, ``threads`` ...);
+        gossip-node's ``steps``, ``task`` and ``split`` are refused (they would be ignored)
+
+    Raises :class:`ClusterFinished` (exit status 0 when uncaught) when the cluster it
+    would join has finished training.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 listen: str | None = None, peers: Any = None, mixing: MixingSettings | None = None, checkpoint_dir: str | Path | None = None,
-                 checkpoint_every: int = 0, resume: bool | None = None, same_start: bool = True,
-                 handle_signals: bool = True, scheduler: Any = None, **options: Any) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: Any = None, *,
+                 listen: str | None = None, peers: Any = None, mixing: MixingSettings | None = None,
+                 checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0, resume: bool | None = None,
+                 same_start: bool = True, handle_signals: bool = True, scheduler: Any = None,
+                 resume_step: int = 0, **options: Any) -> None:
         _default_logging()
-        self.schedulers = _schedulers(scheduler, optimizer)
+        _check_options(options)
+        if optimizer is not None:
+            optimizer = unwrap_optimizer(optimizer)
+        schedulers = _schedulers(scheduler, optimizer)
+        threads = options.pop("threads", None)
+        if threads is not None:
+            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+                raise ValueError(f"threads must be a positive integer, got {threads!r}")
+            torch.set_num_threads(threads)
+        device = options.pop("device", "auto")
+        if device != "auto":
+            dev = resolve_device(str(device))  # a device that is not here is an error, not a silent CPU run
+            if any(p.device != dev for p in model.parameters()):
+                model.to(dev)
         if listen is None:  # like torchrun's environment: one script, its addresses set per process
             listen = os.environ.get("GOSSIP_LISTEN")
             if not listen:
@@ -124,6 +231,15 @@ class GossipNode:
             peers = os.environ.get("GOSSIP_PEERS", "")
         if isinstance(peers, str):
             peers = [p for p in peers.split(",") if p.strip()]
+        peers_file = options.pop("peers_file", None)
+        if peers_file:
+            from gossip.peer.launch import read_peers_file
+
+            peers = [*peers, *read_peers_file(peers_file)]
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be a non-negative integer, got {checkpoint_every!r}")
+        if checkpoint_every and checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs checkpoint_dir (where to write the checkpoints)")
         if checkpoint_dir is not None:
             checkpoint_dir = str(checkpoint_dir)
             if resume is None:
@@ -131,39 +247,50 @@ class GossipNode:
         try:
             cfg = PeerConfig(listen=listen, peers=tuple(peers), mixing=mixing, checkpoint_dir=checkpoint_dir,
                              checkpoint_every=checkpoint_every, resume=bool(resume), **options)
+            cfg.node_id  # noqa: B018 - checks listen / advertise now, with the API's names
         except ValueError as e:
             raise ValueError(_api_names(str(e))) from None
         if checkpoint_dir is not None:
             Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        self.peer = Peer(cfg, model=model, optimizer=optimizer)
         self.model, self.optimizer = model, optimizer
-        self._averages: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
-        self._calls = 0  # collectives so far: every member numbers its calls alike
-        self.peer.on_average = self._on_average
+        self.schedulers: list[Any] = []
+        self.peer = Peer(cfg, model=model, optimizer=optimizer)
+        if resume_step:
+            if isinstance(resume_step, bool) or not isinstance(resume_step, int) or resume_step < 0:
+                raise ValueError(f"resume_step must be a non-negative integer, got {resume_step!r}")
+            self.peer.life.resume_step = max(self.peer.life.resume_step, resume_step)
+        self.collectives = Collectives(self.peer)
+        self.peer.life.on_node = self._on_node
         self._closed = False
         self._summary: dict[str, Any] | None = None
         self._signal: int | None = None
         self._handlers: dict[int, Any] = {}
-        self._hook: Any = None
-        self.consensus_distance: float | None = None  # of the last consensus_model() call
+        self._hooks: list[Any] = []
+        self._checkpoint: dict[str, Any] | None = None  # the one resumed from, while parts of it wait for attach
+        self.plan: EpochPlan | None = None
         try:
             try:
                 if not self.peer.start():
                     raise PeerError("stopped before training started")
+            except joining.ClusterFinished as e:
+                log.warning("%s: %s: nothing left to train; exiting", self.peer.id, e)
+                raise ClusterFinished(str(e)) from None
             except (ValueError, PeerError) as e:
                 raise type(e)(_api_names(str(e))) from None
             if same_start:
-                self._agree_start()
-            if self.schedulers and cfg.resume and checkpoint_dir is not None:
-                self._resume_schedulers(checkpoint_dir)
+                self.collectives.agree_start()
+            self._take_state()
         except BaseException:
             self.peer.close()
             raise
         self.start_step = self.steps  # 0, a checkpoint's step, or the running cluster's
         self._t_start = time.monotonic()
         self._trained = 0
-        if optimizer is not None:
-            self._hook = optimizer.register_step_post_hook(lambda *_: self._count_step())
+        self._every = cfg.eval_every or 100  # steps between records in the metrics log (log=, tensorboard=)
+        if cfg.log or cfg.tensorboard:
+            self.peer.report.last_eval = self.steps
+        if optimizer is not None or schedulers:
+            self.attach(optimizer, scheduler=schedulers or None)
         if handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
@@ -174,13 +301,30 @@ class GossipNode:
 
     # -- who and where ---------------------------------------------------------------------
     @property
+    def id(self) -> str:
+        """This node's member id (``HOST:PORT``)."""
+        return self.peer.id
+
+    @property
     def rank(self) -> int:
-        """This node's index among the members it started with (for picking a data shard)."""
-        return int(self.peer.rank)
+        """This node's shard in the current epoch (its place among the epoch's members;
+        ``rank=`` when given); a node that joined in the middle of an epoch has its
+        place among the members it joined until the next one begins."""
+        shard = self._shard()
+        return shard[0] if shard is not None else int(self.peer.rank)
 
     @property
     def world_size(self) -> int:
-        return int(self.peer.world_size)
+        """How many shards the current epoch's data has (see :attr:`rank`)."""
+        shard = self._shard()
+        return shard[1] if shard is not None else int(self.peer.world_size)
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this node is the first of the current members (one node of the cluster,
+        like DDP's rank 0: the one that saves the final model, say)."""
+        members = self.members
+        return not members or members[0] == self.peer.id
 
     @property
     def members(self) -> list[str]:
@@ -193,46 +337,259 @@ class GossipNode:
         cluster is at."""
         return int(self.peer.node.step) if self.peer.node is not None else 0
 
+    @property
+    def consensus_distance(self) -> float | None:
+        """(1/n) sum_i ||x_i - x_mean||^2 at the last :meth:`consensus_model` call."""
+        return self.collectives.consensus_distance
+
+    def _shard(self) -> tuple[int, int] | None:
+        cfg = self.peer.cfg
+        if cfg.world_size is not None:
+            return int(cfg.rank), int(cfg.world_size)  # type: ignore[arg-type]
+        return self.plan.shard_of(self.peer.id) if self.plan is not None else None
+
+    # -- the state this node starts from -----------------------------------------------------
+    def _on_node(self, node: Any) -> None:
+        """Each life's node hands joiners this loop's part of the training state."""
+        node.handover_extra = self._handover_extra
+
+    def _handover_extra(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"calls": self.collectives.calls}  # the collectives so far: numbered alike
+        if self.plan is not None:
+            out["epoch"] = self.plan.to_list()
+        try:
+            out["schedulers"] = [plain(s.state_dict()) for s in self.schedulers]
+        except TypeError as e:
+            log.warning("%s: a scheduler's state cannot travel (%s); a joiner starts its schedule afresh",
+                        self.peer.id, e)
+        return out
+
+    def _take_state(self) -> None:
+        """After the start: where this node's state came from (its checkpoint, a member, or
+        neither) and the epoch it is in."""
+        peer = self.peer
+        node = peer.node
+        assert node is not None
+        extra: dict[str, Any] = {}
+        if peer.resumed_from is not None:  # its own checkpoint (newer than any member's state)
+            node.handed_over.pop("optimizer", None)
+            self._checkpoint = load_checkpoint(peer.resumed_from)
+            extra = {"epoch": self._checkpoint.get("epoch"), "schedulers": self._checkpoint.get("schedulers")}
+            if node.optimizer is not None:
+                self._checkpoint.pop("optimizer", None)  # loaded with the parameters already
+        elif peer.state_from is not None:
+            extra = node.handed_over.get("extra") or {}
+            self._checkpoint = {"schedulers": extra.get("schedulers"), "from": peer.state_from}
+            calls = extra.get("calls") if isinstance(extra, dict) else None
+            if type(calls) is int and calls >= 0:
+                self.collectives.calls = calls  # its next collective is the members' next
+        plan = EpochPlan.from_list(extra.get("epoch")) if isinstance(extra, dict) else None
+        owner = (self._checkpoint or {}).get("id")
+        if plan is not None and peer.resumed_from is not None and owner in plan.members \
+                and peer.id not in plan.members:  # its own checkpoint, written under another address
+            plan = dataclasses.replace(plan, members=tuple(peer.id if m == owner else m for m in plan.members))
+        self.plan = plan if plan is not None else EpochPlan(0, 0, tuple(self._members_at(0)))
+
+    def attach(self, optimizer: Any = None, *, scheduler: Any = None, count_steps: bool = True) -> "GossipNode":
+        """Give the node the optimizer (or a framework's wrapper of it) whose steps it
+        counts, and the learning-rate schedulers, after :func:`init`: the state a member
+        handed over at the join (or this node's checkpoint) goes into them now. Returns
+        the node. Attaching another optimizer replaces the first.
+
+        ``count_steps=False``: the optimizer's steps are not counted by its hooks; the
+        caller calls :meth:`step` after each update, once the schedulers stepped too (a
+        framework's end-of-step event: its own count then never differs from the node's)."""
+        node = self.peer.node
+        assert node is not None
+        if not node.state.is_bound():  # a framework put new tensors in the model (loading a checkpoint, say)
+            node.state.rebind()
+            log.info("%s: the model's tensors were replaced since the join; gossiping the new ones", self.peer.id)
+        if optimizer is not None:
+            optimizer = unwrap_optimizer(optimizer)
+            for h in self._hooks:
+                h.remove()
+            self._hooks = [optimizer.register_step_pre_hook(lambda *_: self._before_step()),
+                           optimizer.register_step_post_hook(lambda *_: self._count_step())] if count_steps else []
+            if optimizer is not node.optimizer:
+                node.optimizer = self.peer.life.user_optimizer = optimizer
+                self.optimizer = optimizer
+                took = node.take_optimizer_state(optimizer)
+                ck = self._checkpoint or {}
+                if not took and ck.get("optimizer") is not None:
+                    optimizer.load_state_dict(ck.pop("optimizer"))
+            self.peer.life.defer_requests = True  # a joiner's state: between two steps (see _before_step)
+        schedulers = _schedulers(scheduler, self.optimizer)
+        if schedulers:
+            self.schedulers = [*self.schedulers, *(s for s in schedulers if s not in self.schedulers)]
+            saved = (self._checkpoint or {}).get("schedulers")
+            if saved is not None:
+                self._load_schedulers(saved, schedulers)
+        return self
+
+    def _load_schedulers(self, saved: Any, schedulers: list[Any]) -> None:
+        """The schedulers' state from the checkpoint or member this node started from."""
+        ck = self._checkpoint or {}
+        where = f"the state of {ck['from']}" if "from" in ck else "the checkpoint"
+        if not isinstance(saved, list) or len(saved) != len(self.schedulers):
+            if self.start_step or self.steps:
+                log.warning("%s: %s has %s scheduler(s), this node %d; its schedule starts afresh", self.peer.id,
+                            where, len(saved) if isinstance(saved, list) else "no", len(self.schedulers))
+            return
+        for s in schedulers:
+            st = saved[self.schedulers.index(s)]
+            try:
+                s.load_state_dict(restore_plain(st, s.state_dict()))
+            except (TrainStateError, ValueError, KeyError, TypeError) as e:
+                log.warning("%s: %s's scheduler state does not fit this node's %s (%s); it starts afresh",
+                            self.peer.id, where, type(s).__name__, e)
+                continue
+        _set_last_lrs(schedulers)
+        lrs = sorted({float(lr) for s in schedulers for lr in (getattr(s, "_last_lr", None) or [])})
+        log.info("%s: took the schedule from %s (learning rate %s)", self.peer.id, where,
+                 ", ".join(f"{lr:g}" for lr in lrs) or "-")
+
+    def fixed_shard(self) -> tuple[int, int]:
+        """``(rank, world_size)`` for a framework that shards its data once for the whole run
+        (its sampler is built before training): its place among the members the cluster
+        started with, which a joiner takes from its donor. A restarted member takes its own
+        place again; a node new to the cluster the place of a starter that is gone, if any
+        (else it shares one, with a warning)."""
+        shard = self._shard()
+        if self.peer.cfg.world_size is not None and shard is not None:
+            return shard
+        plan = self.plan or EpochPlan(0, 0, tuple(self._members_at(0)))
+        first = EpochPlan(0, 0, plan.members)
+        mine = first.shard_of(self.peer.id)
+        if mine is not None:
+            return mine
+        current = set(self.members)
+        gone = [m for m in plan.members if m not in current]
+        if gone:
+            log.info("%s: takes the shard of %s (a member the cluster started with, gone)", self.peer.id, gone[0])
+            return plan.members.index(gone[0]), len(plan.members)
+        rank = self.members.index(self.peer.id) % len(plan.members) if self.peer.id in self.members else 0
+        log.warning("%s: the %d shards of this run are all taken (a framework shards once, when the cluster starts); "
+                    "this node trains on the shard of %s too", self.peer.id, len(plan.members), plan.members[rank])
+        return rank, len(plan.members)
+
+    def keep_own_state(self) -> None:
+        """A framework restored this node from a checkpoint of its own that is newer than the
+        state a member handed over: do not load the member's optimizer and schedulers."""
+        node = self.peer.node
+        if node is not None:
+            node.handed_over.pop("optimizer", None)
+        self._checkpoint = None
+
     # -- data ------------------------------------------------------------------------------
     def sampler(self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> ShardSampler:
-        """A ``DistributedSampler`` for this node's shard: equal lengths on every node (padded)."""
-        return ShardSampler(dataset, self.world_size, self.rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        """A ``DistributedSampler`` for this node's shard: equal lengths on every node (padded).
+        :meth:`epochs` shares each epoch anew among the members of its start."""
+        return ShardSampler(dataset, self.world_size, min(self.rank, self.world_size - 1), shuffle=shuffle,
+                            seed=seed, drop_last=drop_last)
 
     def shard(self, dataset: Any) -> Any:
         """This node's equal-length part of a ``Dataset`` (what ``dataset[rank::world_size]`` means)."""
         return shard(dataset, self.rank, self.world_size)
 
+    def _members_at(self, step: int) -> list[str]:
+        """The members sharing the data of an epoch that begins at ``step`` (its first
+        batch is step + 1): those of the round that step belongs to."""
+        peer, node = self.peer, self.peer.node
+        period = node.channels[0].period if node is not None else 1
+        with peer.lock:
+            members = peer.membership.at_round(step // period)
+        return members or ([peer.id] if node is None else list(node.members))
+
     def epochs(self, epochs: int | Iterable[int], loader: Any = None, *,
                steps_per_epoch: int | None = None) -> Iterator[int]:
-        """The epochs still to run: from the one this node continues in (after a restart,
-        a resume or a late join), calling ``set_epoch`` on the loader's
-        :class:`ShardSampler` and leaving out the batches of that epoch already done.
+        """The epochs still to run: from the one the cluster is in (after a restart, a
+        resume or a join), sharing each epoch's data among the members of its start
+        (``reshard`` of the loader's :class:`ShardSampler`, ``set_epoch``) and leaving
+        out the batches of it already done. A node new to the cluster joins in the
+        middle of an epoch without a shard of it: it takes part in the rounds without
+        training until the epoch ends, then runs that epoch's body with a loader that
+        yields nothing, so that what the loop does after each epoch (an evaluation, the
+        collectives, a scheduler's step) happens as on the others (see
+        :mod:`gossip.peer.data_plan`). A loader of your own sharding (no
+        :class:`ShardSampler`), or ``rank=`` and ``world_size=`` given, keeps its shards.
 
         ``epochs``: a count or the epoch numbers (``range(1, n + 1)``); the length of an
         epoch in optimizer steps is ``len(loader)`` unless ``steps_per_epoch`` is given.
         """
         order = list(range(epochs)) if isinstance(epochs, int) else list(epochs)
-        spe = steps_per_epoch if steps_per_epoch is not None else _steps_per_epoch(loader)
-        if isinstance(spe, bool) or not isinstance(spe, int) or spe < 1:
-            raise ValueError(f"steps_per_epoch must be a positive integer, got {spe!r}")
-        first, done = divmod(self.steps, spe)
+        if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
+                                            or steps_per_epoch < 1):
+            raise ValueError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
+        if steps_per_epoch is None and loader is None:
+            raise ValueError("epochs needs the loader (or steps_per_epoch) to know an epoch's length")
         sampler = sampler_of(loader) if loader is not None else None
-        if first and first < len(order) or done:
-            log.info("%s: step %d: continuing in epoch %s, after batch %d of %d", self.peer.id, self.steps,
-                     order[first] if first < len(order) else "(none left)", done, spe)
-        for i in range(first, len(order)):
-            if sampler is not None:
-                sampler.set_epoch(order[i])
-                if i == first and done:
+        # equal shards of node.sampler(): each epoch shared among the members of its start. A
+        # loader of the user's own sharding, or rank= / world_size= given: every epoch is this node's
+        elastic = sampler is not None and self.peer.cfg.world_size is None
+
+        def length(world: int) -> int:
+            if steps_per_epoch is not None:
+                return steps_per_epoch
+            if elastic:
+                sampler.reshard(world, 0)
+            return _steps_per_epoch(loader)
+
+        plan = self.plan or EpochPlan(0, 0, tuple(self._members_at(0)))
+        first = True
+        while True:
+            plan = self.plan = roll_forward(plan, self.steps, length, self._members_at)
+            if plan.index >= len(order):
+                if first and self.steps:
+                    log.info("%s: step %d: the cluster has run every epoch (%d)", self.peer.id, self.steps,
+                             len(order))
+                return
+            spe = length(len(plan.members))
+            done = self.steps - plan.start
+            shard = plan.shard_of(self.peer.id) if elastic else None
+            if elastic and shard is None:
+                end = plan.start + spe
+                log.info("%s: joined in epoch %s, whose data its %d members share; taking part in its rounds "
+                         "without training until it ends at step %d", self.peer.id, order[plan.index],
+                         len(plan.members), end)
+                self._serve_until(end)
+                if self.steps < end:
+                    return  # stopped
+                # the epoch's own code (evaluation, collectives, a scheduler's step) runs as on the
+                # others; its loader yields nothing
+                sampler.reshard(len(plan.members), 0)
+                sampler.set_epoch(order[plan.index])
+                sampler.skip(len(sampler))
+            elif sampler is not None:
+                if shard is not None:
+                    sampler.reshard(shard[1], shard[0])
+                sampler.set_epoch(order[plan.index])
+                if done:
                     sampler.skip(done * int(getattr(loader, "batch_size", None) or 1))
-            yield order[i]
+            if first and (done or plan.index) and not (elastic and shard is None):
+                log.info("%s: step %d: continuing in epoch %s, after batch %d of %d", self.peer.id, self.steps,
+                         order[plan.index], done, spe)
+            yield order[plan.index]
+            first = False
+            plan = self.plan = EpochPlan(plan.index + 1, self.steps, tuple(self._members_at(self.steps)))
 
     # -- training --------------------------------------------------------------------------
     def step(self) -> None:
         """Count one local step; with an optimizer given, ``optimizer.step()`` does it
         already and this does nothing (calling both counts each step once)."""
-        if self._hook is None:
+        if not self._hooks:
+            self._before_step()  # (messages that arrived meanwhile)
             self._count_step()
+            if not self._closed:
+                self.peer.life.answer_requests()  # the state after this step, as the next one starts from
+
+    def _before_step(self) -> None:
+        """Before an optimizer step: the optimizer, the schedulers and the data position
+        agree, so this is where a joiner waiting for this node's state gets it."""
+        if self._closed:
+            return
+        peer = self.peer
+        peer._service(0.0)
+        peer.life.answer_requests()
 
     def _count_step(self) -> None:
         if self._closed:
@@ -243,29 +600,40 @@ class GossipNode:
         self._trained += 1
         cfg = self.peer.cfg
         node = self.peer.node
-        if cfg.checkpoint_dir and cfg.checkpoint_every and node is not None and node.step % cfg.checkpoint_every == 0:
+        if node is None:
+            return
+        if cfg.checkpoint_dir and cfg.checkpoint_every and node.step % cfg.checkpoint_every == 0:
             self._save_checkpoint()
+        report = self.peer.report
+        if report.metrics is not None and node.step - report.last_eval >= self._every:
+            report.last_eval = node.step
+            report.log_metrics("eval", time=self.peer.clock() - self.peer.t0)
+
+    def _serve_until(self, target: int) -> None:
+        """Take part in the rounds without local steps until the cluster's step ``target``
+        (a node new to the cluster, in the middle of an epoch it has no shard of)."""
+        peer = self.peer
+        node = peer.node
+        assert node is not None
+        if not any(ch.rule.synchronous for ch in node.channels):
+            node.jump_to(target)  # asynchronous rules wait for nobody: nothing to take part in
+            return
+        while node.step < target and not peer.stop.is_set():
+            if self._signal is not None:
+                self._stop_on_signal()
+            peer.life.answer_requests()
+            peer.step()
+            node = peer.node  # (a new life after the cluster dropped this node)
+            assert node is not None
 
     def _save_checkpoint(self) -> None:
         node, cfg = self.peer.node, self.peer.cfg
         state = node.state_dict()
-        if self.schedulers:
-            state["schedulers"] = [s.state_dict() for s in self.schedulers]
+        state["schedulers"] = [s.state_dict() for s in self.schedulers]
+        if self.plan is not None:
+            state["epoch"] = self.plan.to_list()
         save_checkpoint(state, cfg.checkpoint_dir, node.step)
-
-    def _resume_schedulers(self, directory: str) -> None:
-        path = latest_checkpoint(directory)
-        if path is None:
-            return
-        saved = load_checkpoint(path).get("schedulers")
-        if saved is None:
-            log.warning("%s: %s has no scheduler state; the scheduler starts afresh", self.peer.id, path.name)
-            return
-        if len(saved) != len(self.schedulers):
-            raise ValueError(f"checkpoint {path.name} has {len(saved)} scheduler(s), scheduler= gives "
-                             f"{len(self.schedulers)}")
-        for s, st in zip(self.schedulers, saved):
-            s.load_state_dict(st)
+        save_members(cfg.checkpoint_dir, [m for m in node.members if m != self.peer.id])
 
     def neighbor_distance(self) -> float:
         """Squared distance to the neighbours' last sent parameters (a cheap local estimate)."""
@@ -279,18 +647,16 @@ class GossipNode:
         A collective: every member calls it at the same point of its loop (members
         that are gone are left out). The result is the same on every member.
         """
-        as_float = isinstance(value, (int, float))
-        t = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(-1)
-        if not (isinstance(weight, (int, float)) and weight > 0 and math.isfinite(weight)):
-            raise ValueError(f"weight must be a positive number, got {weight!r}")
-        got = self._all_gather("avg", torch.cat([t * weight, torch.tensor([float(weight)], dtype=torch.float64)]))
-        total = sum(got[k] for k in sorted(got))  # the same order everywhere: the same float result
-        mean = total[:-1] / total[-1]
-        if as_float:
-            return float(mean[0])
-        if isinstance(value, torch.Tensor):
-            return mean.reshape(value.shape).to(value.dtype)
-        return mean.tolist()
+        return self.collectives.average(value, weight)
+
+    def barrier(self) -> None:
+        """Wait until every member reached its matching call (members that are gone are left out)."""
+        self.collectives.barrier()
+
+    def all_gather(self, value: Any) -> list[torch.Tensor]:
+        """Every member's ``value`` (a tensor of the same shape on each), in member-id order.
+        A collective, like :meth:`average`."""
+        return self.collectives.all_gather(value)
 
     @contextlib.contextmanager
     def consensus_model(self) -> Iterator[torch.nn.Module]:
@@ -301,97 +667,8 @@ class GossipNode:
         member's whole parameters to every other, once. Sets ``consensus_distance``,
         ``(1/n) sum_i ||x_i - x_mean||^2``.
         """
-        node = self.peer.node
-        assert node is not None
-        own = node.state.snapshot().detach().cpu().to(torch.float64)
-        got = self._all_gather("model", own)
-        mean = sum(got[k] for k in sorted(got)) / len(got)
-        self.consensus_distance = self.average(float(torch.sum((own - mean) ** 2)))
-        node.state.load_(mean.to(node.state.flat.dtype).to(node.state.flat.device))
-        try:
-            yield self.model
-        finally:
-            node.state.load_(own.to(node.state.flat.dtype).to(node.state.flat.device))
-
-    def _all_gather(self, op: str, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Send ``values`` to every member, wait for theirs of the same call; by member id."""
-        peer, node = self.peer, self.peer.node
-        assert node is not None
-        self._calls += 1
-        call = self._calls
-        # float64 travels as the bytes of twice as many float32 (the codecs carry no float64)
-        wire_values = values.to(torch.float64).contiguous().view(torch.float32)
-        msg = Message("average", peer.id, call, node.step, 0, get_codec("none").encode(wire_values), None,
-                      {"inc": peer.incarnation, "op": op}, peer.fingerprint)
-        for m in node.members:
-            if m != peer.id:
-                peer._send_message(m, msg)
-        got = self._averages.setdefault((op, call), {})
-        got[peer.id] = values
-        deadline = time.monotonic() + max(peer.cfg.timing.join_timeout, peer.cfg.timeout)
-        while True:
-            with peer.lock:
-                alive = set(peer.membership.members)
-            missing = [m for m in node.members if m not in got and m in alive]
-            if not missing:
-                break
-            if time.monotonic() > deadline:
-                log.warning("%s: %s call %d: no value from %s; averaging without them", peer.id, op, call,
-                            ", ".join(missing))
-                break
-            peer._service(0.05)
-        del self._averages[(op, call)]
-        return got
-
-    def _on_average(self, msg: Message) -> None:
-        op = msg.extra.get("op")
-        node = self.peer.node
-        if op not in ("avg", "model", "start") or msg.data is None or msg.fingerprint != self.peer.fingerprint:
-            self.peer.control.reject(str(msg.sender), "average", "a bad average message")
-            return
-        values = decode_payload(msg, torch.empty(0, dtype=torch.float32)).clone()
-        if op != "start":
-            if values.numel() % 2:
-                self.peer.control.reject(str(msg.sender), "average", "an odd-sized average message")
-                return
-            values = values.view(torch.float64)
-        if not bool(torch.isfinite(values).all()):
-            self.peer.control.reject(str(msg.sender), "non-finite", "an average message")
-            return
-        if op != "start" and node is not None and msg.round <= self._calls - 1 and (op, msg.round) not in self._averages:
-            return  # a call this node has finished (without that member)
-        if len(self._averages) < 64:
-            self._averages.setdefault((op, msg.round), {})[str(msg.sender)] = values
-
-    def _agree_start(self) -> None:
-        """Every member of a fresh cluster takes the first member's parameters (sorted
-        member list), before anyone's first step. A member that resumed from a
-        checkpoint or joined a running cluster keeps its state (then nobody is at step 0)."""
-        peer, node = self.peer, self.peer.node
-        assert node is not None
-        if peer.joined or peer.resumed_from is not None or node.step != 0 or len(node.members) < 2:
-            return
-        first = node.members[0]
-        if first == peer.id:
-            snap = node.state.snapshot().detach().cpu().to(torch.float32).contiguous()
-            msg = Message("average", peer.id, 0, 0, 0, get_codec("none").encode(snap), None,
-                          {"inc": peer.incarnation, "op": "start"}, peer.fingerprint)
-            for m in node.members[1:]:
-                peer._send_message(m, msg)
-            return
-        deadline = time.monotonic() + max(peer.cfg.timeout, 5.0)
-        while time.monotonic() < deadline:
-            got = self._averages.get(("start", 0), {})
-            if first in got:
-                values = self._averages.pop(("start", 0))[first]
-                if values.numel() == node.numel:
-                    node.adopt(values.to(node.state.flat.dtype).to(node.state.flat.device))
-                    log.info("%s: took the starting parameters of %s (the first member)", peer.id, first)
-                    return
-                break
-            peer._service(0.05)
-        log.warning("%s: no starting parameters from %s (the first member); starting from this node's own",
-                    peer.id, first)
+        with self.collectives.consensus_model(self.model) as m:
+            yield m
 
     # -- the end ---------------------------------------------------------------------------
     def _serve_rounds(self) -> None:
@@ -403,6 +680,7 @@ class GossipNode:
         if not any(ch.rule.synchronous for ch in node.channels):
             return
         peer.status, peer.serving = "done", True
+        peer.life.answer_requests(every=True)  # no more steps to answer between
         # said now, not at the next ping: it reaches each member before this node's next round does,
         # so a member whose data ends later knows that nobody needs it to serve
         peer.control.apply(peer.control.announce_members())
@@ -439,8 +717,8 @@ class GossipNode:
         if self._closed:
             return self._summary or {}
         self._closed = True
-        if self._hook is not None:
-            self._hook.remove()
+        for h in self._hooks:
+            h.remove()
         for sig, old in self._handlers.items():
             with contextlib.suppress(ValueError):
                 signal.signal(sig, old)
@@ -494,3 +772,23 @@ class GossipNode:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def init(model: torch.nn.Module, **kwargs: Any) -> GossipNode:
+    """Join the cluster early, like ``hvd.init()``: before any loader or framework object
+    exists. Returns the :class:`GossipNode` (``rank``, ``world_size``, ``start_step``,
+    ``sampler(dataset)`` ...); give it the optimizer and schedulers with
+    :meth:`GossipNode.attach` once they exist::
+
+        node = gossip.init(model, listen="10.0.0.1:5555", peers="10.0.0.2:5555")
+        loader = DataLoader(ds, batch_size=32, sampler=node.sampler(ds))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        node.attach(optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.7))
+
+    The cluster counts this node in from the moment it returns: build what the first
+    step needs promptly (a synchronous round waits ``timeout`` seconds for a member).
+    Takes the keywords of :class:`GossipNode` (not ``optimizer``).
+    """
+    if "optimizer" in kwargs:
+        raise ValueError("init takes no optimizer: give it with node.attach(optimizer) once it exists")
+    return GossipNode(model, None, **kwargs)

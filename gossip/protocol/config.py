@@ -51,7 +51,7 @@ class PeerConfig:
     resume: bool = False
     log: str | None = None               # JSON-lines metrics file
     eval_every: int = 0                  # local steps between evaluations in the metrics log (0: steps/10)
-    max_message_mb: float = 0.0          # incoming size cap in MiB (0: twice the model + 1 MiB)
+    max_message_mb: float = 0.0          # incoming size cap in MiB (0: three models (+ outer momenta) + 1 MiB)
     emulate: tuple[str, ...] = ()        # link emulation: "CLASS:latency=50ms,bandwidth=100Mbit,loss=0,drop=N"
     curve_keys: str | None = None        # CurveZMQ key directory (see gossip.transport.security); None: no encryption
     tensorboard: str | None = None       # TensorBoard directory: scalars of the metrics in DIR/<node id>/

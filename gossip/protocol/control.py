@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from gossip.core.message import Message
+from gossip.core.state import first_difference
 from gossip.protocol.detector import FailureDetector, Frame, HeartbeatDetector
 from gossip.protocol.effects import Effects
 from gossip.protocol.membership import Membership, cluster_after, stronger
@@ -174,6 +175,9 @@ class ControlPlane:
         self.excluded_since = 0.0
         self.rejected: Counter[str] = Counter()
         self.conflicts: dict[str, str] = {}  # peer -> why we refuse it (fingerprint, version)
+        # "name|shape|dtype" of each tensor the fingerprint hashes: sent to a peer with another
+        # fingerprint, so that each side names the first difference (set by the driver)
+        self.model_spec: list[str] | None = None
         self._logged: set[tuple[str, str]] = set()
         self._reject_lock = threading.Lock()  # the I/O thread and the node thread both count
         self.digests: dict[str, str] = {}  # member -> the member digest it last reported
@@ -322,15 +326,15 @@ class ControlPlane:
         peer = msg.sender
         fx = Effects()
         if msg.kind == "bye":
-            self._on_bye(peer, f, now)
+            self._on_bye(peer, f, msg, now, fx)
             return fx
         if msg.fingerprint != self.fingerprint:
             why = (f"fingerprint mismatch: {peer} has model fingerprint {msg.fingerprint[:32]!r}, this node "
                    f"{self.fingerprint!r}; refusing to mix with it")
-            remembered = self._conflict(peer, why)
-            self.reject(peer, "fingerprint", why)
+            remembered = self._conflict(peer, why, replace=False)  # (keep a difference named already)
+            self.reject(peer, "fingerprint", self.conflicts.get(peer, why))
             if msg.kind == "hello" and remembered:  # bounded: each answer opens a connection
-                fx.sends.append((peer, self._message("bye", reason=why)))
+                fx.sends.append((peer, self._fingerprint_bye()))
             self.seeds.pop(peer, None)
             return fx
         self.seeds.pop(peer, None)  # it answered: stop retrying it as a seed
@@ -358,14 +362,38 @@ class ControlPlane:
             self._digest = self.m.digest()
             return fx.add(self.detector.receive(msg, now))
 
-    def _on_bye(self, peer: str, f: ControlFields, now: float) -> None:
+    def _fingerprint_bye(self) -> Message:
+        """The goodbye to a peer with another model: this node's tensors go with it (as
+        many as fit a header), so that the peer can name the first difference."""
+        spec, size = [], 0
+        for entry in self.model_spec or []:
+            size += len(entry) + 8
+            if size > 40_000:
+                break
+            spec.append(entry[:1024])
+        return self._message("bye", reason="fingerprint mismatch: another model", spec=spec)
+
+    def _on_bye(self, peer: str, f: ControlFields, msg: Message, now: float, fx: Effects) -> None:
+        reason = str(f.reason or "left")
+        mismatch = reason.startswith("fingerprint")
         with self.lock:
             m = self.m.members.get(peer)
             if m is not None and f.inc >= m.incarnation:
-                self.m.remove(peer, f"said goodbye ({str(f.reason or 'left')[:200]})", departed=True, now=now)
+                self.m.remove(peer, f"said goodbye ({reason[:200]})", departed=True, now=now)
                 self.last_change = now
-            if str(f.reason or "").startswith("fingerprint"):
-                self._conflict(peer, str(f.reason)[:300])
+        if mismatch:
+            # said from the peer's side: its words name it "this node". Ours, named from here
+            spec = msg.extra.get("spec")
+            if isinstance(spec, list) and self.model_spec is not None and all(isinstance(e, str) for e in spec):
+                why = (f"fingerprint mismatch: {peer} runs another model (first difference: "
+                       f"{first_difference(self.model_spec, spec)}); refusing to mix with it")
+            else:
+                why = f"fingerprint mismatch: {peer} runs another model; refusing to mix with it"
+            told = peer in self.conflicts
+            if self.conflicts.get(peer) != why:
+                log.warning("%s: %s", self.id, why)
+            if self._conflict(peer, why) and not told:
+                fx.sends.append((peer, self._fingerprint_bye()))  # its turn to name the difference
         self.seeds.pop(peer, None)
 
     def _update(self, msg: Message, f: ControlFields, now: float, fx: Effects) -> tuple[bool, bool]:
@@ -506,14 +534,16 @@ class ControlPlane:
             # what it knew of the others is that old now, and what waited in its socket
             # too: a start must settle again on what they say from now on (see settled)
             self.woke = self.last_change = now
+        # suspicions come and go under load (SWIM refutes them): the verdicts that matter, a
+        # removal, are logged by the member table
         for mid in verdicts.suspected:
-            log.info("%s: member %s is suspected", self.id, mid)
+            log.debug("%s: member %s is suspected", self.id, mid)
         for mid in verdicts.alive:
-            log.info("%s: member %s is alive again", self.id, mid)
+            log.debug("%s: member %s is alive again", self.id, mid)
         for seed, state in list(self.seeds.items()):
             if now >= state[0]:
-                if state[1] > self.timing.heartbeat:
-                    log.warning("%s: peer %s does not answer; retrying in %.1f s", self.id, seed, state[1])
+                if state[1] > self.timing.heartbeat:  # (a seed not up yet: the usual start of a cluster)
+                    log.info("%s: peer %s does not answer; retrying in %.1f s", self.id, seed, state[1])
                 fx.sends.append((seed, self._members_message("hello")))
                 state[0] = now + state[1]
                 state[1] = min(state[1] * 2, BACKOFF_MAX)  # exponential backoff, capped

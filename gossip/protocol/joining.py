@@ -17,7 +17,7 @@ from gossip.core.state import sha256_of
 from gossip.mixing.base import all_finite, decode_payload
 from gossip.protocol.errors import PeerError
 
-__all__ = ["Joining", "ClusterGone"]
+__all__ = ["Joining", "ClusterGone", "ClusterFinished"]
 
 log = logging.getLogger("gossip.peer")
 
@@ -27,6 +27,11 @@ POLL = 0.05  # seconds between looks while waiting for a state reply (a driver m
 class ClusterGone(PeerError):
     """The cluster a node waits to join stopped training before the node's first round
     (its members died or started new lives): there is no round to join any more."""
+
+
+class ClusterFinished(PeerError):
+    """Every member of the cluster a node waits to join has finished training (said
+    so, or said goodbye, in this life): nobody will schedule its join or hand it a state."""
 
 
 class Joining:
@@ -93,7 +98,7 @@ class Joining:
                 # goodbye), nobody will, and waiting --join-timeout would only idle. Only what
                 # they said in this life counts (see Membership.finished)
                 if m.finished(m.target or others):
-                    raise PeerError("every member of the cluster it joins has finished training ("
+                    raise ClusterFinished("every member of the cluster it joins has finished training ("
                                     + ", ".join(sorted(m.target or others)) + ")")
             if life.rejoin_via is not None:  # the member that dropped us knows the running cluster
                 others = [life.rejoin_via, *(o for o in others if o != life.rejoin_via)]
@@ -115,9 +120,16 @@ class Joining:
                            if k != life.id and k in node.members and m.status in ("training", "done")]
             if rounds and max(rounds) >= start_round - 1:
                 break
-            if not serving:  # every member that would reach our round died or started a new life
+            if not serving:  # every member that would reach our round finished, died or started a new life
+                others = [k for k in node.members if k != life.id]
+                with life.lock:
+                    done = life.membership.finished(others)
+                if done:  # (a restart near the end: the cluster finished before our join round)
+                    raise ClusterFinished("every member of the cluster it joins has finished training ("
+                                          + ", ".join(others) + ") before its join round")
                 raise ClusterGone("no member of the cluster it joins trains any more")
             yield Poll(cfg.timing.heartbeat / 2)
+        asked: set[str] = set()
         for attempt in range(6):
             donors = [j for j in node.topology.in_weights(node.index, start_round) if j != node.index]
             candidates = [node.members[j] for j in donors] or [m for m in node.members if m != life.id]
@@ -129,7 +141,10 @@ class Joining:
                            and table[m].status in ("training", "done")]
             candidates = [m for m in candidates if m in serving] or serving or candidates
             donor = candidates[attempt % len(candidates)]
-            if (yield from self._ask(donor, start_round, -1)):
+            asked.add(donor)
+            # (a member asked before may answer late: a user's loop answers between two of its
+            # steps, see Lifecycle.defer_requests)
+            if (yield from self._ask(donor, start_round, -1, accept=asked)):
                 return
             log.warning("%s: no state from %s yet; asking another member", life.id, donor)
         node.jump_to(self._join_step(start_round))
@@ -157,12 +172,13 @@ class Joining:
                     "their own (the mixing brings them to the cluster's)", life.id, after_round)
         return False
 
-    def _ask(self, donor: str, start_round: int, after_round: int) -> Program:
-        """Ask ``donor`` for its state and adopt a reply of a round after ``after_round``;
-        returns whether one came."""
+    def _ask(self, donor: str, start_round: int, after_round: int, accept: set[str] | None = None) -> Program:
+        """Ask ``donor`` for its state and adopt a reply of a round after ``after_round`` from
+        it (or from any member of ``accept``, asked before); returns whether one came."""
         life = self.life
         node, cfg = life.node, life.cfg
         assert node is not None
+        givers = accept if accept is not None else {donor}
         self.replies.clear()
         life.send_message(donor, Message("state-request", life.id, start_round, 0, 0, None, None,
                                          {"inc": life.incarnation}, life.fingerprint))
@@ -171,18 +187,19 @@ class Joining:
             now = yield POLL0
             # a group hands its state over at its next exchange, which may be a while
             deadline = now + max(2.0, cfg.timeout) * (1 if life.group_size == 1 else 1.5)
-            while now < deadline and not any(r.sender == donor and r.round > after_round for r in self.replies):
+            while now < deadline and not any(str(r.sender) in givers and r.round > after_round for r in self.replies):
                 now = yield Poll(min(POLL, deadline - now))
         finally:
             self.asking = False
         for reply in self.replies:
-            if reply.sender == donor and reply.round > after_round and reply.data is not None \
+            giver = str(reply.sender)
+            if giver in givers and reply.round > after_round and reply.data is not None \
                     and reply.data.numel == node.handover_numel(reply.extra):
                 values = decode_payload(reply, node.state.flat)
                 if all_finite(values):
                     node.adopt_handover(values, reply.extra)  # parameters, and any outer momentum
                     if life.audit:
-                        self.took = (donor, sha256_of(node.state.flat))
+                        self.took = (giver, sha256_of(node.state.flat))
                     # a joiner that fell behind (slow start, a busy machine) starts at the
                     # donor's round: the cluster went on without it, and its members drop
                     # messages of rounds they have finished
@@ -190,9 +207,9 @@ class Joining:
                     node.jump_to(self._join_step(start_round))
                     if reply.weight is not None and node.rule.weight is not None:
                         node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
-                    self.state_from, self.state_step = donor, reply.progress
-                    self.took_from = (donor, reply.round)
-                    log.info("%s: took the state of %s (its step %d); joining at round %d", life.id, donor,
+                    self.state_from, self.state_step = giver, reply.progress
+                    self.took_from = (giver, reply.round)
+                    log.info("%s: took the state of %s (its step %d); joining at round %d", life.id, giver,
                              reply.progress, start_round)
                     self.replies.clear()
                     return True

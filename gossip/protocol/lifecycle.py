@@ -159,6 +159,13 @@ class Lifecycle:
         self.handovers: list[str] = []
         # a group's rank 0 may hand over at once instead (gossip.peer.group): called with the joiner
         self.on_state_request: Callable[[str], None] | None = None
+        self.handover_limit: int | None = None  # bytes a state reply may take (the peers' size cap)
+        # a training loop of the user's own hands a joiner its state between two of its steps,
+        # where the optimizer, the schedulers and the data position agree (see answer_requests);
+        # until then the requests wait here (the state-request messages)
+        self.defer_requests = False
+        self.requests: list[Message] = []
+        self.prepared: tuple | None = None  # (round, step, payload, extra, note) kept for that round's joiners
         self.joining = Joining(self)  # joins: the round, the state pulled, --resume
 
     # the join's outcome, as the reports read it
@@ -197,13 +204,26 @@ class Lifecycle:
     def program(self) -> Program:
         """Discover, start, train (and train again after each new life), finish.
         Returns False if stopped before starting."""
+        if not (yield from self.start()):
+            return False
+        yield from self.train()
+        while self.excluded is not None and not self.stop.is_set():
+            yield from self.rejoin()
+            yield from self.train()
+        yield from self.finish()
+        return True
+
+    def start(self) -> Program:
+        """Discover and begin training (a fresh cluster, or a join); returns False if
+        stopped first. Raises :class:`~gossip.protocol.joining.ClusterFinished` when the
+        cluster it would join has finished training."""
         mode = yield from self.discover()
         if mode is None:
             return False
         while True:
             try:
                 yield from self.begin(mode)
-                break
+                return True
             except ClusterGone as e:
                 # the cluster it waited to join is gone (every member that trained died or
                 # restarted): its schedule describes nothing now; discover afresh, as a new life
@@ -212,12 +232,6 @@ class Lifecycle:
                 mode = yield from self.discover()
                 if mode is None:
                     return False
-        yield from self.train()
-        while self.excluded is not None and not self.stop.is_set():
-            yield from self.rejoin()
-            yield from self.train()
-        yield from self.finish()
-        return True
 
     def discover(self) -> Program:
         """Wait until we can start; returns "fresh", "member" or "join" (None if stopped)."""
@@ -230,6 +244,7 @@ class Lifecycle:
         former = [m for m in load_members(cfg.checkpoint_dir) if m != self.id and m not in seeds
                   and _is_address(m)] if cfg.resume and cfg.checkpoint_dir else []
         warned = False
+        refused_at: float | None = None  # when every seed had refused this node
         last_note = asked = last_former = start
         self.control.apply(self.control.hello_all(former))
         while not self.stop.is_set():
@@ -276,7 +291,7 @@ class Lifecycle:
                 if now - last_note >= 2.0:
                     last_note = now
                     log.info("%s: waiting to start with %d member(s): %s", self.id, len(others) + 1, why)
-            if not others and seeds and now - last_note >= 2.0:
+            if not others and seeds and not self.control.conflicts and now - last_note >= 2.0:
                 last_note = now  # a lone node says what it waits for, not only when join_timeout ends
                 log.info("%s: no peer has answered yet (%s); training alone in %.0f s (join_timeout) if "
                          "none does", self.id, ", ".join(seeds), max(0.0, cfg.timing.join_timeout - (now - start)))
@@ -288,6 +303,14 @@ class Lifecycle:
                 log.warning("%s: no peer answered within %.0f s; training alone (late peers will join)",
                             self.id, cfg.timing.join_timeout)
                 return "fresh"
+            if not others and seeds and all(sd in self.control.conflicts for sd in seeds):
+                # every seed answered, and refuses us (another model, another version): nothing
+                # to wait for. A moment for the peer's goodbye that names the difference
+                refused_at = now if refused_at is None else refused_at
+                named = all("runs another model" in self.control.conflicts[sd] or not
+                            self.control.conflicts[sd].startswith("fingerprint") for sd in seeds)
+                if named or now - refused_at >= max(1.0, 4 * cfg.timing.heartbeat):
+                    raise PeerError("; ".join(sorted({self.control.conflicts[sd] for sd in seeds})))
             if not others and self.control.conflicts and not warned:
                 warned = True
                 log.error("%s: %s", self.id, "; ".join(sorted(set(self.control.conflicts.values()))))
@@ -321,6 +344,7 @@ class Lifecycle:
         self.node = Node(self.id, members, topology, self.task, rule, node_cfg, seed=cfg.seed,
                          split=cfg.split, rank=rank, world_size=world, device=self.device, model=self.user_model,
                          optimizer=self.user_optimizer, policies=policies)
+        self.node.handover_limit = self.handover_limit
         if self.on_node is not None:
             self.on_node(self.node)
         if mode == "join":
@@ -328,7 +352,7 @@ class Lifecycle:
             yield from self.joining.pull_state(start_round)
         if cfg.resume and not self.rejoins:  # a new life takes the cluster's state, not its own past
             self.joining.resume()
-        if cfg.resume and mode in ("fresh", "member"):
+        if (cfg.resume or self.resume_step) and mode in ("fresh", "member"):  # (a framework's own checkpoint too)
             self.joining.align_start(mode)
         self.status = "training"
         now = yield POLL0
@@ -558,6 +582,7 @@ class Lifecycle:
     def finish(self) -> Program:
         """Keep serving until every other member is done (or gone), or ``grace`` passes."""
         self.status = "done"
+        self.answer_requests(every=True)  # joiners waiting for a state between two steps: there are no more
         if self.interrupted:
             return
         self.control.apply(self.control.announce_status())
@@ -601,7 +626,11 @@ class Lifecycle:
                 elif msg.sender not in self.handovers and len(self.handovers) < AHEAD:
                     self.handovers.append(str(msg.sender))
                 return
-            self.send_message(msg.sender, self.state_reply(str(msg.sender)))
+            if self.defer_requests and self.status == "training" and not self.serving \
+                    and not (self.prepared is not None and self.prepared[0] == msg.round):
+                self.requests = [r for r in self.requests if r.sender != msg.sender][-7:] + [msg]
+                return
+            self.answer(msg)
         elif msg.kind == "average":  # a collective of a training loop of the user's own (GossipNode)
             if self.on_average is not None:
                 self.on_average(msg)
@@ -610,14 +639,50 @@ class Lifecycle:
             if not self.joining.offer(msg):
                 self.control.reject(str(msg.sender), "unsolicited", "a state-reply nobody asked for")
 
-    def state_reply(self, to: str) -> Message:
-        """This node's state for joiner ``to``: the parameters, and any outer optimizer's momentum."""
+    def answer_requests(self, every: bool = False) -> None:
+        """Between two steps of a training loop of the user's own (see :attr:`defer_requests`):
+        answer the deferred state requests of joiners whose first round this node has
+        reached (``every``: all of them); the state is then the one the cluster starts that
+        round with. At the start of a round that a joiner joins, keep that state too: the
+        joiner's request may arrive while this node waits for the joiner in that round."""
+        node = self.node
+        if node is None:
+            return
+        boundary = node.step % node.channels[0].period == 0
+        if self.prepared is not None and self.prepared[0] < node.round:
+            self.prepared = None
+        if self.defer_requests and boundary and (self.prepared is None or self.prepared[0] != node.round):
+            with self.lock:
+                starting = any(r == node.round and j != self.id for j, r in self.membership.joins.items())
+            if starting:
+                self.prepared = (node.round, node.step, *node.handover(), node.handover_note)
+        if not self.requests:
+            return
+        due = [r for r in self.requests if every or (r.round <= node.round and boundary)]
+        self.requests = [r for r in self.requests if r not in due]
+        for msg in due:
+            self.answer(msg)
+
+    def answer(self, msg: Message) -> None:
+        """Send the joiner that sent state-request ``msg`` this node's state (the one kept
+        for its first round, if any)."""
+        self.send_message(msg.sender, self.state_reply(str(msg.sender), msg.round))
+
+    def state_reply(self, to: str, first_round: int | None = None) -> Message:
+        """This node's state for joiner ``to``: the parameters, outer momentum, optimizer state
+        and the driver's extras (those kept for the joiner's ``first_round``, if any)."""
         node = self.node
         assert node is not None
-        snap, extra = node.handover()
+        prepared = self.prepared if self.prepared is not None and self.prepared[0] == first_round else None
+        if prepared is not None:
+            rnd, step, snap, extra, note = prepared
+        else:
+            (snap, extra), rnd, step = node.handover(), node.round, node.step
+            note = node.handover_note
         if self.audit:
-            self.handed.append((to, sha256_of(node.state.flat)))
-        return Message("state-reply", self.id, node.round, node.step, 0, get_codec("none").encode(snap.cpu()),
+            self.handed.append((to, sha256_of(snap[:node.numel])))
+        log.info("%s: handed its state of step %d to %s (%s)", self.id, step, to, note)
+        return Message("state-reply", self.id, rnd, step, 0, get_codec("none").encode(snap.cpu()),
                        node.rule.weight, {"inc": self.incarnation, **extra}, self.fingerprint)
 
     def take_handovers(self) -> list[str]:

@@ -290,7 +290,8 @@ class Membership:
         if self.training:  # (after a join still pending: see announce_leave)
             self._leave_of_dead(mid, m.incarnation)
         self.version += 1
-        log.warning("member %s removed: %s", mid, reason)
+        # a goodbye is the normal end of a life; silence is what a user may need to look at
+        (log.info if departed else log.warning)("member %s removed: %s", mid, reason)
         return True
 
     def _leave_of_dead(self, mid: str, incarnation: int | None) -> bool:

@@ -28,7 +28,15 @@ from gossip.compression import CodecError
 from gossip.core.actions import COMPUTE, Action, Release, Send, Wait
 from gossip.core.buffers import Pieces, SendLease
 from gossip.core.message import STATE, Message
-from gossip.core.state import FlatState
+from gossip.core.state import FlatState, sha256_of
+from gossip.core.train_state import (
+    TrainStateError,
+    decode_meta,
+    encode_meta,
+    optimizer_numel,
+    pack_optimizer,
+    unpack_optimizer,
+)
 from gossip.mixing import Inbox, MixingRule, MixReport
 from gossip.mixing.base import all_finite, decode_payload
 
@@ -99,6 +107,12 @@ class Channel:
 
 
 _restricted: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _lrs(optimizer: Any) -> str:
+    """An optimizer's learning rates, for the log."""
+    lrs = sorted({float(g["lr"]) for g in optimizer.param_groups if "lr" in g})
+    return ", ".join(f"{lr:.8g}" for lr in lrs) or "-"
 
 
 def _links_of(topology: Any, link: str) -> Any:
@@ -235,6 +249,15 @@ class Node:
         self.now = 0.0
         self._lease: SendLease | None = None  # the parameters, while a send made in place is in flight
         self.held_sends = 0  # rounds whose send was still in flight at mixing time (parameters moved)
+        # the hand-over to a joiner (see handover): the driver's JSON-able extras (a training loop's
+        # schedulers and data position), the most bytes a state reply may take (a peer's size cap),
+        # and on the joiner what came besides the parameters: {"optimizer": (description, values)
+        # until an optimizer takes it, "extra": the donor's extras}
+        self.handover_extra: Any = None
+        self.handover_limit: int | None = None
+        self.handed_over: dict[str, Any] = {}
+        self.handover_note = ""
+        self._warned_handover = False
 
     # -- membership -------------------------------------------------------------------------
     def set_members(self, members: Sequence[Any], topology: Any) -> None:
@@ -298,15 +321,52 @@ class Node:
                 ch.rule.load_outer_state(st)
 
     def handover(self) -> tuple[torch.Tensor, dict[str, Any]]:
-        """What a joiner pulls from this node, as one flat payload: the parameters, then the
-        momentum of each outer optimizer that has one; ``extra["outer"]`` lists their channels."""
+        """What a joiner pulls from this node, as one flat payload: the parameters, the momentum
+        of each outer optimizer that has one (``extra["outer"]`` lists their channels), then the
+        inner optimizer's state tensors; ``extra["train"]`` describes the optimizer state and
+        carries :attr:`handover_extra` (see :mod:`gossip.core.train_state`)."""
         flat = self.state.snapshot()
         parts, channels = [flat], []
         for k, st in enumerate(self.outer_state()):
             if st is not None and st.get("momentum") is not None:
                 parts.append(st["momentum"].to(device=flat.device, dtype=flat.dtype))
                 channels.append(k)
-        return (torch.cat(parts) if channels else flat), ({"outer": channels} if channels else {})
+        extra: dict[str, Any] = {"outer": channels} if channels else {}
+        meta: dict[str, Any] = {}
+        tensors: list[torch.Tensor] = []
+        try:
+            if self.optimizer is not None:
+                tensors, meta["optimizer"] = pack_optimizer(self.optimizer, flat.dtype)
+                size = (sum(p.numel() for p in parts) + sum(t.numel() for t in tensors)) * flat.element_size()
+                if self.handover_limit is not None and size > self.handover_limit:
+                    raise ValueError(f"with the optimizer state a state reply takes {size} bytes, over the "
+                                     f"peers' message size cap of {self.handover_limit} (max_message_mb)")
+            if self.handover_extra is not None:
+                meta["extra"] = self.handover_extra()
+            if meta:
+                extra["train"] = encode_meta(meta)
+        except (TypeError, ValueError) as e:
+            if not self._warned_handover:
+                self._warned_handover = True
+                log.warning("node %s: hands joiners its parameters without its optimizer state: %s", self.id, e)
+            tensors = []
+            extra.pop("train", None)
+        parts += [t.to(device=flat.device) for t in tensors]
+        # for the log of whoever sends it: what a joiner can check it took
+        self.handover_note = (f"learning rate {_lrs(self.optimizer)}, optimizer state sha256 "
+                              f"{sha256_of(torch.cat(tensors))[:16]}") if tensors else "parameters only"
+        return (torch.cat(parts) if len(parts) > 1 else flat), extra
+
+    def _train_meta(self, extra: Any) -> dict[str, Any]:
+        """The training-state description of a state reply's ``extra`` ({} if none); raises
+        :class:`~gossip.core.train_state.TrainStateError` when malformed."""
+        chunks = extra.get("train") if isinstance(extra, dict) else None
+        if chunks is None:
+            return {}
+        meta = decode_meta(chunks)
+        if not isinstance(meta, dict):
+            raise TrainStateError("the training state's description is not a map")
+        return meta
 
     def handover_numel(self, extra: Any) -> int | None:
         """The payload size of a :meth:`handover` described by ``extra`` (a message's, so
@@ -315,20 +375,51 @@ class Node:
         if not isinstance(channels, list) or len(set(channels)) != len(channels) \
                 or any(type(k) is not int or not 0 <= k < len(self.channels) for k in channels):
             return None
-        return self.numel * (1 + len(channels))
+        try:
+            meta = self._train_meta(extra)
+            opt = optimizer_numel(meta["optimizer"]) if "optimizer" in meta else 0
+        except TrainStateError:
+            return None
+        return self.numel * (1 + len(channels)) + opt
 
     def adopt_handover(self, values: torch.Tensor, extra: Any) -> None:
         """Take a member's :meth:`handover` (checked by :meth:`handover_numel`): its parameters,
-        and its outer momentum for the channels that have an outer optimizer here too."""
+        its outer momentum for the channels that have an outer optimizer here too, and its
+        inner optimizer's state (kept in :attr:`handed_over` until :meth:`take_optimizer_state`
+        when this node has no optimizer yet)."""
         n = self.numel
         self.adopt(values[:n])
         states: list[dict[str, Any] | None] = [None] * len(self.channels)
-        for i, k in enumerate(extra.get("outer", []) if isinstance(extra, dict) else []):
+        outer = extra.get("outer", []) if isinstance(extra, dict) else []
+        for i, k in enumerate(outer):
             states[k] = {"momentum": values[n * (i + 1):n * (i + 2)].clone()}
         if any(st is not None for st in states):
             log.info("node %s: took the outer momentum of channel(s) %s with the parameters", self.id,
                      ", ".join(self.channels[k].name for k, st in enumerate(states) if st is not None))
         self.load_outer_state(states)
+        meta = self._train_meta(extra)  # (checked by handover_numel already)
+        self.handed_over = {"extra": meta.get("extra")}
+        if "optimizer" in meta:
+            self.handed_over["optimizer"] = (meta["optimizer"], values[n * (1 + len(outer)):].clone())
+            if self.optimizer is not None:
+                self.take_optimizer_state(self.optimizer)
+
+    def take_optimizer_state(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Load the inner optimizer state a member handed over into ``optimizer`` (once);
+        False if there was none or it does not fit (then ``optimizer`` keeps its own)."""
+        got = self.handed_over.pop("optimizer", None)
+        if got is None:
+            return False
+        desc, values = got
+        try:
+            optimizer.load_state_dict(unpack_optimizer(desc, values, optimizer))
+        except (TrainStateError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            log.warning("node %s: the member's optimizer state does not fit this node's optimizer (%s); keeping "
+                        "this node's own", self.id, e)
+            return False
+        log.info("node %s: took the member's optimizer state: learning rate %s, optimizer state sha256 %s", self.id,
+                 _lrs(optimizer), sha256_of(values)[:16] if values.numel() else "-")
+        return True
 
     def align(self, rnd: int) -> None:
         """Continue from round ``rnd`` at the next exchange if behind it (groups that

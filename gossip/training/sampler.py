@@ -68,6 +68,28 @@ class ShardSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self._skip = 0
+        self._resume: tuple[int, int] | None = None
+
+    def reshard(self, num_replicas: int, rank: int) -> None:
+        """Share the data among ``num_replicas`` from the next iteration on, this node
+        taking part ``rank`` (a cluster whose members changed, at an epoch's start)."""
+        _check_rank(rank, num_replicas)
+        if (num_replicas, rank) == (self.num_replicas, self.rank):
+            return
+        self.num_replicas, self.rank = num_replicas, rank
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.drop_last and n % num_replicas:
+            self.num_samples = math.ceil((n - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(n / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def resume_at(self, epoch: int, samples: int) -> None:
+        """Leave out the first ``samples`` indices of every iteration of epoch ``epoch`` (a
+        framework that may start an epoch's iteration more than once: each is the rest of it)."""
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples must be a non-negative integer, got {samples!r}")
+        self._resume = (int(epoch), samples)
 
     def skip(self, samples: int) -> None:
         """Leave out the first ``samples`` indices of the next iteration only."""
@@ -78,6 +100,8 @@ class ShardSampler(DistributedSampler):
     def __iter__(self) -> Iterator[Any]:
         indices = list(super().__iter__())
         skip, self._skip = self._skip, 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            skip = max(skip, self._resume[1])
         return iter(indices[skip:])
 
 

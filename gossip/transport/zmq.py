@@ -34,6 +34,7 @@ from collections import Counter
 from typing import Any, Callable
 
 import zmq
+import zmq.utils.garbage  # noqa: F401 - see below
 from zmq.utils.monitor import recv_monitor_message
 
 from gossip.transport import wire
@@ -291,7 +292,13 @@ class ZmqTransport:
                 self.dropped[dst] += 1
             return
         try:
-            self._dealer(dst).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            try:
+                self._dealer(dst).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except RuntimeError:
+                # pyzmq's zero-copy frames need its garbage-collector thread, which its own atexit
+                # handler stops. Imported above (its handler registered before any node's, so it
+                # runs after a node's own atexit close); a late send copies instead
+                self._dealer(dst).send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
             self.bytes_sent[dst] += sum(_nbytes(f) for f in frames)
         except zmq.Again:
             # not connected yet (a fresh connection takes a moment), or the peer is not

@@ -50,7 +50,10 @@ def test_handover_carries_the_momentum_through_the_wire():
     donor.run()
     giver = donor.nodes[0]
     payload, extra = giver.handover()
-    assert extra == {"outer": [0]} and payload.numel() == 2 * giver.numel
+    # the parameters, then the momentum of channel 0's outer optimizer, then the inner optimizer's
+    # state tensors (described in extra["train"]: this engine steps its own rows, so there are none)
+    assert extra["outer"] == [0] and set(extra) == {"outer", "train"}, extra
+    assert payload.numel() == giver.handover_numel(extra) == 2 * giver.numel
     from gossip.compression import get_codec
 
     msg = Message("state-reply", "127.0.0.1:1", giver.round, giver.step, 0, get_codec("none").encode(payload),
@@ -68,7 +71,9 @@ def test_handover_carries_the_momentum_through_the_wire():
     for bad in ({"outer": [0, 0]}, {"outer": [5]}, {"outer": "0"}, {"outer": [True]}):
         assert taker.handover_numel(bad) is None
     plain = Simulation(nodes=2, topology="ring", task="synthetic", steps=10, period=5, seed=0).nodes[0]
-    assert plain.handover()[1] == {} and plain.handover_numel({}) == plain.numel
+    payload, extra = plain.handover()
+    assert "outer" not in extra and plain.handover_numel(extra) == payload.numel() == plain.numel
+    assert plain.handover_numel({}) == plain.numel  # (a donor with no optimizer state to give)
 
 
 def test_a_late_real_joiner_takes_the_outer_momentum(tmp_path):

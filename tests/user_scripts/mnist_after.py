@@ -81,8 +81,8 @@ def main():
 
     model = Net().to(device)
     optimizer = optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    node = gossip.GossipNode(model, optimizer)  # listen and peers from GOSSIP_LISTEN, GOSSIP_PEERS
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
+    node = gossip.GossipNode(model, optimizer, scheduler=scheduler)  # listen, peers: GOSSIP_LISTEN, GOSSIP_PEERS
 
     train_ds, test_ds = digits(args.train_size, 0), digits(500, 1)
     train_loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=node.sampler(train_ds))
