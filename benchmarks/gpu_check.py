@@ -188,38 +188,39 @@ def measure(device: str, steps: int, warmup: int, repeat: int, hidden: int, time
 
 
 def group_check(timeout: float = 120.0, steps: int = 4, period: int = 2) -> dict:
-    """Two groups of one, each started by torchrun with the node program's default
+    """Two groups of one, each started by torchrun running ``gossip.node`` with the default
     ``--device auto`` (``cuda:LOCAL_RANK`` where CUDA is present), FSDP inside, gossiping
     shard to shard; returns rank 0's summary of each (device, rounds mixed, bytes)."""
     import subprocess
-    import tempfile
 
     root = Path(__file__).resolve().parents[1]
-    groups = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    with tempfile.TemporaryDirectory() as out:
-        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                                   "--master-port", str(free_port()), "-m", "gossip.groups.run", "--group", g,
-                                   "--groups", ",".join(groups), "--intra", "fsdp", "--steps", str(steps),
-                                   "--period", str(period), "--out", out],
-                                  cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for g in groups]
-        try:
-            for p in procs:
-                _, err = p.communicate(timeout=timeout)
-                if p.returncode != 0:
-                    raise RuntimeError(f"gpu_check: a group of one failed (exit {p.returncode}):\n"
-                                       f"{err.decode()[-2000:]}")
-        finally:
-            for p in procs:  # only the launchers this check started
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(timeout=10)
-        ranks = [json.loads((Path(out) / f"rank-{g.rpartition(':')[2]}-0.json").read_text()) for g in groups]
+    ports = [free_port() for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                               "--master-port", str(free_port()), "-m", "gossip.node",
+                               "--listen", f"tcp://127.0.0.1:{port}", "--peers", f"127.0.0.1:{ports[1 - i]}",
+                               "--intra", "fsdp", "--steps", str(steps), "--period", str(period), "--json",
+                               "--settle", "0.5", "--heartbeat", "0.25", "--dead-after", "2"],
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i, port in enumerate(ports)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"gpu_check: a group of one failed (exit {p.returncode}):\n{err.decode()[-2000:]}")
+            outs.append(out.decode())
+    finally:
+        for p in procs:  # only the launchers this check started
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    ranks = [json.loads(next(ln for ln in reversed(o.splitlines()) if ln.startswith("{"))) for o in outs]
     for r in ranks:
-        if r["mixed"] != steps // period or r["missing"] or r["timed_out"]:
-            raise RuntimeError(f"gpu_check: group {r['group']} mixed {r['mixed']} of {steps // period} rounds "
-                               f"({r['missing']} missing, {r['timed_out']} timed out)")
-    return {"device": sorted({r["device"] for r in ranks}), "mixed": [r["mixed"] for r in ranks],
-            "bytes_sent": [sum(r["bytes_sent"].values()) for r in ranks], "shard_numel": ranks[0]["shard_numel"]}
+        if r["rounds"] != steps // period or r["missing_neighbors"] or r["timed_out_rounds"]:
+            raise RuntimeError(f"gpu_check: group {r['node']} mixed {r['rounds']} of {steps // period} rounds "
+                               f"({r['missing_neighbors']} missing, {r['timed_out_rounds']} timed out)")
+    return {"device": sorted({r["device"] for r in ranks}), "mixed": [r["rounds"] for r in ranks],
+            "bytes_sent": [r["bytes_sent"] for r in ranks]}
 
 
 def main(argv: list[str] | None = None) -> int:

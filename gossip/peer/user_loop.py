@@ -64,6 +64,11 @@ REFUSED = {
     "config": "pass the options as keywords",
     "json": "close() returns the summary",
     "progress": "a loop of your own draws its own progress",
+    "nproc_per_node": "a group of processes is gossip-node's (gossip-node --nproc-per-node K); GossipNode in a "
+                      "loop of your own under torchrun is not supported yet",
+    "intra": "a group of processes is gossip-node's (gossip-node --nproc-per-node K --intra ddp|fsdp)",
+    "max_restarts": "a group's launcher is gossip-node's (gossip-node --nproc-per-node K --max-restarts N)",
+    "as_group": "one process as a group of K slices is gossip-node's (gossip-node --as-group K)",
 }
 _OWN = ("listen", "peers", "mixing", "checkpoint_dir", "checkpoint_every", "resume")
 #: the gossip-node options GossipNode takes as keywords (besides its own parameters)

@@ -213,9 +213,10 @@ def test_a_joiner_takes_the_outer_momentum_with_the_parameters(monkeypatch):
     _, values, momentum = taken[0]
     # what it took is exactly one member's handover: parameters, then the momentum
     sent = [(who, flat, extra) for who, flat, extra in handed if torch.equal(flat, values)]
-    assert len(sent) == 1 and sent[0][0] != joiner.id and sent[0][2] == {"outer": [0]}
-    n = values.numel() // 2
-    assert torch.equal(momentum, values[n:]) and float(momentum.abs().sum()) > 0
+    # (the extras: the outer momentum's offset, and the inner optimizer's state: see core/train_state.py)
+    assert len(sent) == 1 and sent[0][0] != joiner.id and sent[0][2]["outer"] == [0] and set(sent[0][2]) == {"outer", "train"}
+    n = joiner.life.node.numel  # parameters, then the momentum, then the optimizer's state
+    assert torch.equal(momentum, values[n:2 * n]) and float(momentum.abs().sum()) > 0
     assert r.summary["exits"] == ["done"] * 4 and sim.cluster.results()[3]["joined"]
 
 
