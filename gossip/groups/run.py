@@ -145,14 +145,6 @@ def _run(cfg: PeerConfig, group: Group, on_leader: Any) -> dict[str, Any]:
     return summary
 
 
-class _Slot:
-    """Where slice r of a single process sits (the :class:`~gossip.training.shards.RankPlace`
-    of its view: a group of K with no process group)."""
-
-    def __init__(self, rank: int, size: int, device: Any) -> None:
-        self.rank, self.size, self.device, self.pg = rank, size, device, None
-
-
 def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, Any]:
     """One process gossiping as a group of ``k`` DDP ranks (``gossip-node --as-group K``), so
     that it mixes with such groups: its model's flat vector in K slices, slice r exchanged
@@ -164,7 +156,7 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
     from gossip.core.state import FlatState
     from gossip.groups.link import LocalLink
     from gossip.training.node import resolve_device
-    from gossip.training.shards import ReplicaSlice
+    from gossip.training.shards import ReplicaSlice, SlicePlace
 
     if cfg.checkpoint_dir or cfg.resume:
         raise ValueError("--as-group does not write or read checkpoints yet: leave out --checkpoint-dir "
@@ -173,7 +165,7 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
     device = resolve_device(cfg.device)
     model = init_model(task, cfg.seed, device)
     state = FlatState(model)
-    views = [ReplicaSlice(state, _Slot(r, k, device)) for r in range(k)]
+    views = [ReplicaSlice(state, SlicePlace(r, k, device)) for r in range(k)]
     optimizer = task.optimizer(model.parameters())
     link = LocalLink(k)
     leader = GroupLeader(cfg, views[0].flat, views[0].fingerprint, link.rank(0), k)

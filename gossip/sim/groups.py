@@ -28,7 +28,7 @@ from gossip.core.state import FlatState
 from gossip.protocol.group import Decision, News
 from gossip.protocol.ranks import GroupFollow, GroupLead
 from gossip.training.node import init_model
-from gossip.training.shards import ReplicaSlice
+from gossip.training.shards import ReplicaSlice, SlicePlace
 
 __all__ = ["SimLink", "RankLink", "SimGroup", "BARRIER", "lead_program", "follow_program"]
 
@@ -101,13 +101,6 @@ class RankLink:
         return News()
 
 
-class _Place:
-    """Where a simulated rank sits (the :class:`~gossip.training.shards.RankPlace` of its view)."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size, self.device, self.pg = rank, size, torch.device("cpu"), None
-
-
 @dataclass
 class SimGroup:
     """One life of a simulated group (a start of its K processes): its model, its views,
@@ -130,14 +123,14 @@ class SimGroup:
     def __post_init__(self) -> None:
         self.model = init_model(self.task, self.model_seed, "cpu")
         self.state = FlatState(self.model)
-        self.views = [ReplicaSlice(self.state, _Place(r, self.size)) for r in range(self.size)]
+        self.views = [ReplicaSlice(self.state, SlicePlace(r, self.size)) for r in range(self.size)]
         self.optimizer = self.task.optimizer(self.model.parameters())
 
     @staticmethod
     def fingerprint(task: Any, model_seed: int, size: int, rank: int) -> str:
         """Rank ``rank``'s layout in a group of ``size`` (equal on rank r of every such group)."""
         state = FlatState(init_model(task, model_seed, "cpu"))
-        return ReplicaSlice(state, _Place(rank, size)).fingerprint
+        return ReplicaSlice(state, SlicePlace(rank, size)).fingerprint
 
     def begin(self, rank: int, world: int, seed: int) -> None:
         """The group's data for a life that trains as member ``rank`` of ``world``."""

@@ -9,6 +9,7 @@ is mixing the whole models.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 
 from gossip.core.state import FlatState, model_fingerprint
 
-__all__ = ["ShardView", "FsdpShards", "ReplicaSlice", "RankPlace"]
+__all__ = ["ShardView", "FsdpShards", "ReplicaSlice", "RankPlace", "SlicePlace"]
 
 
 class RankPlace(Protocol):
@@ -27,6 +28,17 @@ class RankPlace(Protocol):
     size: int
     device: torch.device
     pg: Any  # the group's process group (None for a group of one)
+
+
+@dataclass(frozen=True)
+class SlicePlace:
+    """A :class:`RankPlace` with no process group: slice ``rank`` of ``size`` of a model that
+    one process holds whole (``gossip-node --as-group K``, the simulator's groups)."""
+
+    rank: int
+    size: int
+    device: torch.device = torch.device("cpu")
+    pg: Any = None
 
 
 class ShardView:
