@@ -557,8 +557,6 @@ def node_main(argv: Sequence[str] | None = None) -> int:
 
 def _group_worker(cfg: Any, args: argparse.Namespace, env: Any) -> int:
     """One rank of a group under torchrun: rank 0 leads (the member's protocol), the others follow."""
-    import signal
-
     from gossip.groups.group import GroupError
     from gossip.groups.run import run_group
     from gossip.protocol.errors import PeerError
@@ -572,24 +570,8 @@ def _group_worker(cfg: Any, args: argparse.Namespace, env: Any) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    holder: dict[str, Any] = {}
-
-    def on_leader(leader: Any) -> None:
-        holder["leader"] = leader
-        holder["bar"] = _progress_bar(leader.peer, args.progress)
-
-    def stop(signum: int, frame: Any) -> None:
-        leader = holder.get("leader")
-        if leader is None:
-            return  # rank r: rank 0 decides when the group stops (it got the signal too)
-        if leader.peer.stop.is_set():
-            raise KeyboardInterrupt
-        logging.getLogger("gossip.node").warning("%s: signal %d: finishing at the group's next exchange",
-                                                 cfg.node_id, signum)
-        leader.peer.request_stop()
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    # rank r ignores the signal: rank 0 decides when the group stops (it got the signal too)
+    holder, on_leader = _leader_stops(cfg, args, before_leader=lambda: None)
     try:
         summary = run_group(cfg, args.intra, on_leader=on_leader)
     except (ValueError, GroupError, BindError, PeerError) as e:
@@ -606,19 +588,12 @@ def _group_worker(cfg: Any, args: argparse.Namespace, env: Any) -> int:
     return 0
 
 
-def _slices(cfg: Any, args: argparse.Namespace) -> int:
-    """One process gossiping as a DDP group of ``--as-group K`` (gossip.groups.run.run_slices)."""
+def _leader_stops(cfg: Any, args: argparse.Namespace, before_leader: Any) -> tuple[dict[str, Any], Any]:
+    """SIGINT / SIGTERM for a group's process: rank 0 stops at the group's next exchange (a
+    second signal leaves at once); ``before_leader()`` runs for a signal before rank 0 exists.
+    Returns the holder (rank 0, its progress bar) and the ``on_leader`` hook that fills it."""
     import signal
 
-    from gossip.groups.run import run_slices
-    from gossip.protocol.errors import PeerError
-    from gossip.transport.zmq import BindError
-
-    setup_logging(args.verbose, cfg.node_id)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     holder: dict[str, Any] = {}
 
     def on_leader(leader: Any) -> None:
@@ -628,15 +603,35 @@ def _slices(cfg: Any, args: argparse.Namespace) -> int:
     def stop(signum: int, frame: Any) -> None:
         leader = holder.get("leader")
         if leader is None:
-            raise KeyboardInterrupt
+            before_leader()
+            return
         if leader.peer.stop.is_set():
             raise KeyboardInterrupt
-        logging.getLogger("gossip.node").warning("%s: signal %d: finishing at the next exchange", cfg.node_id,
-                                                 signum)
+        logging.getLogger("gossip.node").warning("%s: signal %d: finishing at the group's next exchange",
+                                                 cfg.node_id, signum)
         leader.peer.request_stop()
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    return holder, on_leader
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+def _slices(cfg: Any, args: argparse.Namespace) -> int:
+    """One process gossiping as a DDP group of ``--as-group K`` (gossip.groups.run.run_slices)."""
+    from gossip.groups.run import run_slices
+    from gossip.protocol.errors import PeerError
+    from gossip.transport.zmq import BindError
+
+    setup_logging(args.verbose, cfg.node_id)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    holder, on_leader = _leader_stops(cfg, args, before_leader=_interrupt)
     try:
         summary = run_slices(cfg, args.as_group, on_leader=on_leader)
     except (BindError, PeerError) as e:

@@ -175,6 +175,7 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
     ranks: list[GroupLeader | GroupFollower] = [leader, *followers]
     step_ready = threading.Barrier(k)  # the process's step is done: every slice's exchange may run
     step_mixed = threading.Barrier(k)  # every slice mixed: the next step may run
+    done = threading.Event()  # set by the main thread, between two steps, when training ends
     errors: list[BaseException] = []
 
     def follow(member: GroupFollower) -> None:
@@ -184,7 +185,7 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
                 step = member.node.step
                 while True:
                     step_ready.wait()
-                    if leader.stopped or step >= cfg.steps or errors:
+                    if done.is_set():  # (read after the barrier: the main thread set it before)
                         break
                     step += 1
                     member.step(step)
@@ -209,6 +210,8 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
             streams = [task.stream(start.rank * k + r, start.world * k, cfg.split, cfg.seed, device)
                        for r in range(k)]  # this member's share of the data: K ranks' streams
             step = leader.node.step
+            every = cfg.eval_every or max(1, cfg.steps // 10)
+            logging_metrics = bool(cfg.log or cfg.tensorboard)
             while step < cfg.steps and not errors:
                 optimizer.zero_grad(set_to_none=True)
                 batch = tuple(torch.cat(parts) for parts in zip(*(s.next() for s in streams)))
@@ -229,6 +232,9 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
                 if leader.stopped:
                     break
                 step = leader.node.step
+                if logging_metrics and step % every == 0:
+                    leader.record(task.evaluate(model, device))
+            done.set()
             step_ready.wait()  # the slice threads see the end
             leader.complete_pending()
             evaluation = task.evaluate(model, device)

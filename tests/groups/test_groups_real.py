@@ -131,6 +131,22 @@ def test_a_mixed_cluster_of_two_single_processes_and_a_ddp_group_trains_as_one(t
     assert _max_diff(got, ref[ids.index(nodes[0].addr)]) < 1e-5
 
 
+def test_sigterm_to_a_single_process_gossiping_as_a_group_finishes_at_the_next_exchange(tmp_path):
+    """--as-group 2 alone, SIGTERM while it trains: the slice threads see the stop at the
+    same exchange as slice 0 (they once left a step early and the process hung), it
+    finishes and prints its summary."""
+    metrics = tmp_path / "m.jsonl"
+    with Cluster(tmp_path) as c:
+        x = c.start("solo", ["--task", TASK, "--steps", str(10**6), "--seed", str(SEED), "--json", *FAST,
+                             "--as-group", "2", "--period", "2", "--log", str(metrics), "--eval-every", "10"],
+                    port=free_ports(2, consecutive=True)[0])
+        wait_for_step(metrics, 40, LIMIT)
+        x.proc.send_signal(signal.SIGTERM)
+        assert x.wait(60) == 0, x.log()[-3000:]
+        s = x.summary()
+    assert s["group_size"] == 2 and s["intra"] == "slices" and s["interrupted"] and 40 <= s["steps"] < 10**6
+
+
 @pytest.mark.slow
 def test_a_rank_killed_restarts_its_group_through_the_launcher_and_it_rejoins(tmp_path):
     """kill -9 of rank 1 of group B mid-run: torchrun (--max-restarts 1) starts B again, a
