@@ -511,10 +511,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         if args.as_group > 1:
             return _slices(cfg, args)
         setup_logging(args.verbose, cfg.node_id)
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
+        _set_threads(args)
         from gossip.peer.driver import Peer
         from gossip.protocol.errors import PeerError
 
@@ -547,12 +544,24 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     finally:
         if bar is not None:
             bar.close()
+    _print_summary(summary, args, f"{summary['steps']} steps, accuracy {summary.get('final_accuracy')}, "
+                   f"neighbour distance {summary.get('neighbor_distance')}, {summary['bytes_sent'] / 1e6:.2f} MB sent")
+    return 0
+
+
+def _print_summary(summary: dict[str, Any], args: argparse.Namespace, line: str) -> None:
+    """The run's summary on stdout: one JSON line with --json, else ``NODE: line``."""
     if args.json:
         print(json.dumps(summary, default=_json_default), flush=True)
     else:
-        print(f"{summary['node']}: {summary['steps']} steps, accuracy {summary.get('final_accuracy')}, "
-              f"neighbour distance {summary.get('neighbor_distance')}, {summary['bytes_sent'] / 1e6:.2f} MB sent")
-    return 0
+        print(f"{summary['node']}: {line}")
+
+
+def _set_threads(args: argparse.Namespace) -> None:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
 
 def _group_worker(cfg: Any, args: argparse.Namespace, env: Any) -> int:
@@ -566,10 +575,7 @@ def _group_worker(cfg: Any, args: argparse.Namespace, env: Any) -> int:
     if args.nproc_per_node not in (1, env.size):
         return _fail("gossip-node", f"--nproc-per-node {args.nproc_per_node} but torchrun started {env.size} "
                                     "processes for this group") if env.rank == 0 else EXIT_USAGE
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args)
     # rank r ignores the signal: rank 0 decides when the group stops (it got the signal too)
     holder, on_leader = _leader_stops(cfg, args, before_leader=lambda: None)
     try:
@@ -580,11 +586,9 @@ def _group_worker(cfg: Any, args: argparse.Namespace, env: Any) -> int:
         if holder.get("bar") is not None:
             holder["bar"].close()
     if env.rank == 0:
-        if args.json:
-            print(json.dumps(summary, default=_json_default), flush=True)
-        else:
-            print(f"{summary['node']}: a group of {summary['group_size']}, {summary['steps']} steps, accuracy "
-                  f"{summary.get('final_accuracy')}, {summary['bytes_sent'] / 1e6:.2f} MB sent by rank 0")
+        _print_summary(summary, args, f"a group of {summary['group_size']}, {summary['steps']} steps, accuracy "
+                                      f"{summary.get('final_accuracy')}, {summary['bytes_sent'] / 1e6:.2f} MB sent "
+                                      "by rank 0")
     return 0
 
 
@@ -627,10 +631,7 @@ def _slices(cfg: Any, args: argparse.Namespace) -> int:
     from gossip.transport.zmq import BindError
 
     setup_logging(args.verbose, cfg.node_id)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args)
     holder, on_leader = _leader_stops(cfg, args, before_leader=_interrupt)
     try:
         summary = run_slices(cfg, args.as_group, on_leader=on_leader)
@@ -639,11 +640,9 @@ def _slices(cfg: Any, args: argparse.Namespace) -> int:
     finally:
         if holder.get("bar") is not None:
             holder["bar"].close()
-    if args.json:
-        print(json.dumps(summary, default=_json_default), flush=True)
-    else:
-        print(f"{summary['node']}: one process as a group of {summary['group_size']}, {summary['steps']} steps, "
-              f"accuracy {summary.get('final_accuracy')}, {summary['bytes_sent'] / 1e6:.2f} MB sent by slice 0")
+    _print_summary(summary, args, f"one process as a group of {summary['group_size']}, {summary['steps']} steps, "
+                                  f"accuracy {summary.get('final_accuracy')}, {summary['bytes_sent'] / 1e6:.2f} MB "
+                                  "sent by slice 0")
     return 0
 
 

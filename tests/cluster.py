@@ -14,6 +14,16 @@ from pathlib import Path
 from gossip.transport.ports import free_port, free_ports
 
 
+def _die_with_parent() -> None:
+    """In the child, before it runs: on Linux, SIGKILL it when the test process dies, so that
+    a test run that is itself killed (a CI timeout, ^C twice) leaves no node behind; the
+    reaping in :meth:`Cluster.__exit__` covers every other end."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class NodeProc:
     """One ``gossip-node`` (or, with ``script``, a Python script of the user's own, given
     ``HOST:PORT`` as its first argument); stdout/stderr go to files in ``workdir``.
@@ -38,7 +48,8 @@ class NodeProc:
             if group > 1:
                 cmd += ["--nproc-per-node", str(group)]
         self.proc = subprocess.Popen(cmd, stdout=open(self.out, "w"), stderr=open(self.err, "w"), env=env,
-                                     cwd=str(Path(__file__).resolve().parents[1]), start_new_session=True)
+                                     cwd=str(Path(__file__).resolve().parents[1]), start_new_session=True,
+                                     preexec_fn=_die_with_parent)
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)
