@@ -23,7 +23,8 @@ list (``tests/test_layout.py`` checks it, and that no import runs in a circle):
 ``sim``            the virtual clock: engines, simulated clusters and groups, faults,
                    the explorer (``peer`` and ``sim`` never import each other)
 ``groups``         torch.distributed inside a node: the process group, shards, the
-                   group's checkpoints and its run on every rank (over ``peer``)
+                   group's checkpoints and its run on every rank (over ``peer``), and
+                   ``GossipNode``'s form on each rank of a loop of your own under torchrun
 ``integrations``   the frameworks' hooks (Hugging Face, Lightning)
 entry points       ``api`` (:func:`simulate`), ``cli``, ``plot``, ``explore``
 =================  ===========================================================
@@ -40,7 +41,7 @@ __all__ = ["__version__", "simulate", "Simulation", "SimConfig", "SimulationResu
 
 _LAZY = {"simulate": "gossip.api", "Simulation": "gossip.api", "SimConfig": "gossip.api",
          "SimulationResult": "gossip.api", "MixingSettings": "gossip.mixing.settings",
-         "GossipNode": "gossip.peer.user_loop", "init": "gossip.peer.user_loop",
+         "GossipNode": "gossip.groups.user_loop", "init": "gossip.groups.user_loop",
          "ClusterFinished": "gossip.peer.user_loop", "ShardSampler": "gossip.training.sampler", "shard": "gossip.training.sampler"}
 
 

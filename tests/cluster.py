@@ -28,19 +28,29 @@ class NodeProc:
     """One ``gossip-node`` (or, with ``script``, a Python script of the user's own, given
     ``HOST:PORT`` as its first argument); stdout/stderr go to files in ``workdir``.
     With ``group=K`` the node is a group of K processes under torchrun's launcher
-    (``--nproc-per-node K``): rank r listens on the port + r. Each node runs in a
-    session of its own, so that a kill reaches the launcher's workers too."""
+    (``--nproc-per-node K``): rank r listens on the port + r. With ``script`` and
+    ``torchrun=K``, the script runs under ``torch.distributed.run --nproc-per-node K``
+    instead, its address in ``GOSSIP_LISTEN`` (every rank's) and this checkout first on
+    its path; ``env`` adds to its environment. Each node runs in a session of its own,
+    so that a kill reaches the launcher's workers too."""
 
     def __init__(self, workdir: Path, name: str, args: list[str], port: int | None = None,
-                 script: Path | None = None, group: int = 1) -> None:
-        self.group = group
+                 script: Path | None = None, group: int = 1, torchrun: int = 0,
+                 env: dict[str, str] | None = None) -> None:
+        self.group = group = max(group, torchrun)
         self.port = port or (free_ports(group, consecutive=True)[0] if group > 1 else free_port())
         self.addr = f"127.0.0.1:{self.port}"
         self.name = name
         self.out = workdir / f"{name}.out"
         self.err = workdir / f"{name}.err"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        if script is not None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+        root = str(Path(__file__).resolve().parents[1])
+        if script is not None and torchrun:
+            path = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+            env.update(GOSSIP_LISTEN=self.addr, PYTHONPATH=path)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun),
+                   str(script), *args]
+        elif script is not None:
             cmd = [sys.executable, str(script), self.addr, *args]
         else:
             cmd = [sys.executable, "-c", "import sys; from gossip.cli import node_main; sys.exit(node_main())",
@@ -48,7 +58,7 @@ class NodeProc:
             if group > 1:
                 cmd += ["--nproc-per-node", str(group)]
         self.proc = subprocess.Popen(cmd, stdout=open(self.out, "w"), stderr=open(self.err, "w"), env=env,
-                                     cwd=str(Path(__file__).resolve().parents[1]), start_new_session=True,
+                                     cwd=root, start_new_session=True,
                                      preexec_fn=_die_with_parent)
 
     def wait(self, timeout: float) -> int:
@@ -119,8 +129,8 @@ class Cluster:
         self.nodes: list[NodeProc] = []
 
     def start(self, name: str, args: list[str], port: int | None = None, script: Path | None = None,
-              group: int = 1) -> NodeProc:
-        node = NodeProc(self.workdir, name, args, port, script, group)
+              group: int = 1, torchrun: int = 0, env: dict[str, str] | None = None) -> NodeProc:
+        node = NodeProc(self.workdir, name, args, port, script, group, torchrun, env)
         self.nodes.append(node)
         return node
 

@@ -15,9 +15,10 @@ Between groups the cluster stays masterless gossip, and a group is one member:
 rank 0 runs the member's protocol (:mod:`gossip.peer.group`), and rank r
 exchanges only its part of the parameters (its
 :class:`~gossip.training.shards.ShardView`) with rank r of each neighbour group.
-This module starts the process group (:func:`start_group`), wraps the model
-(:meth:`Group.wrap`) and gives the ranks their channel (:meth:`Group.link`, over
-torchrun's store).
+This module starts the process group (:func:`start_group`) or takes the user's
+(:func:`current_group`), wraps the model (:meth:`Group.wrap`) or takes one the user
+wrapped (:func:`wrapped`, :func:`shard_view`: ``GossipNode`` under torchrun), and gives
+the ranks their channel (:meth:`Group.link`, over torchrun's store).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from gossip.groups.link import StoreLink
 from gossip.training.node import resolve_device
 
 __all__ = ["INTRA", "GroupEnv", "GroupError", "Group", "ShardView", "FsdpShards", "ReplicaSlice", "group_env",
-           "start_group"]
+           "start_group", "current_group", "wrapped", "shard_view"]
 
 log = logging.getLogger("gossip.group")
 
@@ -119,6 +120,7 @@ class Group:
     device: torch.device
     backend: str | None
     pg: Any = None
+    owns_pg: bool = True  # False for the process group of the user's own (current_group): never destroyed here
 
     @property
     def rank(self) -> int:
@@ -168,12 +170,15 @@ class Group:
         for a group of one."""
         if self.pg is None:
             return None
-        store = dist.PrefixStore("gossip-link/", dist.distributed_c10d._get_default_store())
+        # a prefix per life: under torchrun --max-restarts, a store that outlives a life (the agent's)
+        # must not show the next life the dead one's decisions
+        life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"gossip-link/life-{life}/", dist.distributed_c10d._get_default_store())
         return StoreLink(store, self.rank, self.size)
 
     def close(self) -> None:
-        """Leave the process group (the group's end)."""
-        if self.pg is not None and dist.is_initialized():
+        """Leave the process group (the group's end), unless it is the user's (:func:`current_group`)."""
+        if self.pg is not None and self.owns_pg and dist.is_initialized():
             dist.destroy_process_group()
         self.pg = None
 
@@ -216,6 +221,91 @@ def start_group(intra: str = "ddp", device: str = "auto", environ: Mapping[str, 
         dist.init_process_group(backend, rank=env.rank, world_size=env.size,
                                 timeout=datetime.timedelta(seconds=timeout), **kwargs)
     return Group(env, intra, dev, backend, dist.group.WORLD)
+
+
+def current_group(intra: str, device: torch.device) -> Group:
+    """This process's group over the process group the user initialised already (DDP and
+    ``fully_shard`` need one): the whole default group is the gossip member's group, and
+    nothing is initialised again, nor destroyed by :meth:`Group.close`.
+
+    ``intra``: how the user wrapped the model; ``device``: where this rank's model lives.
+    """
+    if intra not in INTRA:
+        raise GroupError(f"intra must be one of {', '.join(INTRA)}, got {intra!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise GroupError("torch.distributed's process group is not initialised: call "
+                         "torch.distributed.init_process_group() before wrapping the model")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    try:
+        local, local_size = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None
+    except ValueError as e:
+        raise GroupError(f"torchrun's environment: {e}") from None
+    env = GroupEnv(rank, local, size, local_size, os.environ.get("MASTER_ADDR"), port, True)
+    return Group(env, intra, device, str(dist.get_backend()), dist.group.WORLD, owns_pg=False)
+
+
+def wrapped(model: nn.Module) -> tuple[str, nn.Module]:
+    """How ``model`` is spread over its group: ``("ddp", the module DDP wraps)`` or
+    ``("fsdp", model)``; anything else is a :class:`~gossip.groups.group.GroupError` saying
+    what to do."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return "ddp", model.module
+    if isinstance(model, FSDPModule):
+        return "fsdp", model
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    where = f"a torch.distributed world of {world} processes" if world else "torchrun (WORLD_SIZE > 1)"
+    if type(model).__name__ == "FullyShardedDataParallel":
+        raise GroupError(f"GossipNode in {where} takes a model sharded with fully_shard (FSDP2), not "
+                         "FullyShardedDataParallel (FSDP1): fully_shard each block, then the root")
+    raise GroupError(f"GossipNode in {where} makes each process one rank of a group: give it the model wrapped "
+                     f"for the group, torch.nn.parallel.DistributedDataParallel(model) or fully_shard(model) "
+                     f"(after torch.distributed.init_process_group), not a plain {type(model).__name__}; "
+                     "or run one process per gossip node, without torchrun")
+
+
+def _check_spans_world(intra: str, model: nn.Module, view: ShardView | None = None) -> None:
+    """The group is the whole default process group: DDP's or FSDP's group must be it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if intra == "ddp":
+        pg = getattr(model, "process_group", None)
+        size = dist.get_world_size(pg) if pg is not None else world
+        if size != world:
+            raise GroupError(f"DistributedDataParallel runs over a process group of {size} of the world's {world} "
+                             "processes; GossipNode's group is the whole world (one gossip member per torchrun)")
+        return
+    assert isinstance(view, FsdpShards)
+    for fp in view.params:
+        info = fp.mesh_info
+        if type(info).__name__ != "FSDPMeshInfo" or info.shard_mesh_size != world or info.shard_mesh_rank != rank:
+            raise GroupError(f"fully_shard over a mesh of {tuple(info.mesh.shape)} (rank {info.shard_mesh_rank}); "
+                             f"GossipNode needs a 1-D mesh over the whole world of {world} (HSDP is not supported)")
+
+
+def shard_view(intra: str, model: nn.Module, group: Group) -> ShardView:
+    """This rank's :class:`~gossip.training.shards.ShardView` of a model the user wrapped already.
+
+    DDP: :class:`~gossip.core.state.FlatState` over the wrapped module, after DDP was built.
+    That re-homes the parameters into one vector by ``param.data = view``, which keeps each
+    parameter object and (same dtype and device) its gradient accumulator, where DDP's
+    reducer hooks sit; the reducer copies gradients into its own buckets and never keeps
+    a parameter's storage, and DDP reads the module's buffers again before each buffer
+    broadcast (``_sync_buffers``). So DDP trains bit for bit as without it, parameters and
+    buffers, also with ``gradient_as_bucket_view=True``; after a later
+    :meth:`~gossip.core.state.FlatState.rehome` too (the parameters: ``after_mix`` then
+    broadcasts each rank's slice, BatchNorm's statistics included).
+    tests/groups/test_user_loop_real.py checks these against plain DDP. An optimizer
+    built before keeps working (the same parameter objects).
+    """
+    if intra == "fsdp":
+        view: ShardView = FsdpShards(model, group)
+        _check_spans_world(intra, model, view)
+        return view
+    _check_spans_world(intra, model)
+    return ReplicaSlice(FlatState(model.module), group)
 
 
 def _life_store(env: GroupEnv, life: str, timeout: float) -> Any:

@@ -64,10 +64,10 @@ REFUSED = {
     "config": "pass the options as keywords",
     "json": "close() returns the summary",
     "progress": "a loop of your own draws its own progress",
-    "nproc_per_node": "a group of processes is gossip-node's (gossip-node --nproc-per-node K); GossipNode in a "
-                      "loop of your own under torchrun is not supported yet",
-    "intra": "a group of processes is gossip-node's (gossip-node --nproc-per-node K --intra ddp|fsdp)",
-    "max_restarts": "a group's launcher is gossip-node's (gossip-node --nproc-per-node K --max-restarts N)",
+    "nproc_per_node": "for a group of K processes, start your script with torchrun --nproc-per-node K and wrap "
+                      "the model (DDP or fully_shard) before GossipNode: each process is one rank of the group",
+    "intra": "the group's intra is how you wrapped the model (DistributedDataParallel or fully_shard), under torchrun",
+    "max_restarts": "a group's restarts are torchrun's own (torchrun --max-restarts N)",
     "as_group": "one process as a group of K slices is gossip-node's (gossip-node --as-group K)",
 }
 _OWN = ("listen", "peers", "mixing", "checkpoint_dir", "checkpoint_every", "resume")
@@ -92,7 +92,7 @@ def _api_names(message: str) -> str:
     return _FLAG.sub(lambda m: m.group(1).replace("-", "_"), message)
 
 
-def _default_logging() -> None:
+def default_logging() -> None:
     """A handler for the library's log (node id in every line) only if the user configured none."""
     lib = logging.getLogger("gossip")
     if lib.handlers or logging.getLogger().handlers:
@@ -104,13 +104,71 @@ def _default_logging() -> None:
         lib.setLevel(logging.INFO)
 
 
-def _check_options(options: dict[str, Any]) -> None:
+def check_options(options: dict[str, Any]) -> None:
     """Every keyword is an option GossipNode uses: refuse the others, saying why."""
     for name in options:
         if name in REFUSED:
             raise ValueError(f"{name} is not an option of GossipNode: {REFUSED[name]}")
         if name not in OPTIONS and name != "options":
             raise ValueError(f"unknown option {name!r} for GossipNode; valid: {', '.join(OPTIONS)}")
+
+
+def set_threads(threads: Any) -> None:
+    """``threads=``: torch's intra-op threads for this process (None: leave them)."""
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        torch.set_num_threads(threads)
+
+
+def user_config(listen: str | None, peers: Any, mixing: MixingSettings | None, checkpoint_dir: str | Path | None,
+                checkpoint_every: int, resume: bool, options: dict[str, Any]) -> PeerConfig:
+    """GossipNode's keywords as gossip-node's settings, checked once: ``listen`` and ``peers``
+    default to ``GOSSIP_LISTEN`` and ``GOSSIP_PEERS``; errors name the API's parameters.
+    ``options``: the flat options left (``threads`` and ``device`` taken out already)."""
+    if listen is None:  # like torchrun's environment: one script, its addresses set per process
+        listen = os.environ.get("GOSSIP_LISTEN")
+        if not listen:
+            raise ValueError("listen is required: HOST:PORT to bind (or set GOSSIP_LISTEN)")
+    if peers is None:
+        peers = os.environ.get("GOSSIP_PEERS", "")
+    if isinstance(peers, str):
+        peers = [p for p in peers.split(",") if p.strip()]
+    options = dict(options)
+    peers_file = options.pop("peers_file", None)
+    if peers_file:
+        from gossip.peer.launch import read_peers_file
+
+        peers = [*peers, *read_peers_file(peers_file)]
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be a non-negative integer, got {checkpoint_every!r}")
+    if checkpoint_every and checkpoint_dir is None:
+        raise ValueError("checkpoint_every needs checkpoint_dir (where to write the checkpoints)")
+    if checkpoint_dir is not None:
+        checkpoint_dir = str(checkpoint_dir)
+    try:
+        cfg = PeerConfig(listen=listen, peers=tuple(peers), mixing=mixing, checkpoint_dir=checkpoint_dir,
+                         checkpoint_every=checkpoint_every, resume=resume, **options)
+        cfg.node_id  # noqa: B018 - checks listen / advertise now, with the API's names
+    except ValueError as e:
+        raise ValueError(_api_names(str(e))) from None
+    if checkpoint_dir is not None:
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    return cfg
+
+
+def distributed_world() -> int:
+    """How many processes this one trains with under torch.distributed: the default process
+    group's size once it exists (the user's ``init_process_group``), else torchrun's
+    ``WORLD_SIZE``, else 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -206,57 +264,52 @@ class GossipNode:
 
     Raises :class:`ClusterFinished` (exit status 0 when uncaught) when the cluster it
     would join has finished training.
+
+    **Under torchrun** (a torch.distributed world of more than one process: the default
+    process group's size, else ``WORLD_SIZE``), each process is one rank of a group
+    member, and ``GossipNode(model, optimizer)`` on every rank returns a
+    :class:`gossip.groups.user_loop.GroupNode`: wrap the model first
+    (``DistributedDataParallel`` or ``fully_shard``); ``listen`` is the group's address
+    on every rank (rank r binds its port + r); rank 0 runs the member's protocol and the
+    others follow it; :meth:`sampler` gives rank r of member m shard ``m*K + r``. A plain
+    module there, and what a group cannot do (``scheduler``, ``same_start=True``, the
+    collectives across members), are errors naming why (docs/GROUPS.md).
     """
+
+    #: what GossipNode is in a process of a torch.distributed world of more than one (torchrun):
+    #: one rank of a group member (:class:`gossip.groups.user_loop.GroupNode`). That module
+    #: registers it here, since groups sits above peer; ``gossip.GossipNode`` imports it.
+    group_form: type | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "GossipNode":
+        if cls is GossipNode and distributed_world() > 1:
+            form = GossipNode.group_form
+            if form is None:
+                raise ValueError(f"GossipNode runs in a torch.distributed world of {distributed_world()} processes "
+                                 "(torchrun): each is one rank of a group member, the part gossip.groups.user_loop "
+                                 "adds; use gossip.GossipNode (import gossip), not gossip.peer.user_loop's")
+            return super().__new__(form)
+        return super().__new__(cls)
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = None, *,
                  listen: str | None = None, peers: Any = None, mixing: MixingSettings | None = None,
                  checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0, resume: bool | None = None,
                  same_start: bool = True, handle_signals: bool = True, scheduler: Any = None,
                  resume_step: int = 0, **options: Any) -> None:
-        _default_logging()
-        _check_options(options)
+        default_logging()
+        check_options(options)
         if optimizer is not None:
             optimizer = unwrap_optimizer(optimizer)
         schedulers = _schedulers(scheduler, optimizer)
-        threads = options.pop("threads", None)
-        if threads is not None:
-            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-                raise ValueError(f"threads must be a positive integer, got {threads!r}")
-            torch.set_num_threads(threads)
+        set_threads(options.pop("threads", None))
         device = options.pop("device", "auto")
         if device != "auto":
             dev = resolve_device(str(device))  # a device that is not here is an error, not a silent CPU run
             if any(p.device != dev for p in model.parameters()):
                 model.to(dev)
-        if listen is None:  # like torchrun's environment: one script, its addresses set per process
-            listen = os.environ.get("GOSSIP_LISTEN")
-            if not listen:
-                raise ValueError("listen is required: HOST:PORT to bind (or set GOSSIP_LISTEN)")
-        if peers is None:
-            peers = os.environ.get("GOSSIP_PEERS", "")
-        if isinstance(peers, str):
-            peers = [p for p in peers.split(",") if p.strip()]
-        peers_file = options.pop("peers_file", None)
-        if peers_file:
-            from gossip.peer.launch import read_peers_file
-
-            peers = [*peers, *read_peers_file(peers_file)]
-        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be a non-negative integer, got {checkpoint_every!r}")
-        if checkpoint_every and checkpoint_dir is None:
-            raise ValueError("checkpoint_every needs checkpoint_dir (where to write the checkpoints)")
-        if checkpoint_dir is not None:
-            checkpoint_dir = str(checkpoint_dir)
-            if resume is None:
-                resume = latest_checkpoint(checkpoint_dir) is not None
-        try:
-            cfg = PeerConfig(listen=listen, peers=tuple(peers), mixing=mixing, checkpoint_dir=checkpoint_dir,
-                             checkpoint_every=checkpoint_every, resume=bool(resume), **options)
-            cfg.node_id  # noqa: B018 - checks listen / advertise now, with the API's names
-        except ValueError as e:
-            raise ValueError(_api_names(str(e))) from None
-        if checkpoint_dir is not None:
-            Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        if checkpoint_dir is not None and resume is None:
+            resume = latest_checkpoint(checkpoint_dir) is not None
+        cfg = user_config(listen, peers, mixing, checkpoint_dir, checkpoint_every, bool(resume), options)
         self.model, self.optimizer = model, optimizer
         self.schedulers: list[Any] = []
         self.peer = Peer(cfg, model=model, optimizer=optimizer)
