@@ -30,9 +30,9 @@ class NodeProc:
     With ``group=K`` the node is a group of K processes under torchrun's launcher
     (``--nproc-per-node K``): rank r listens on the port + r. With ``script`` and
     ``torchrun=K``, the script runs under ``torch.distributed.run --nproc-per-node K``
-    instead, its address in ``GOSSIP_LISTEN`` (every rank's) and this checkout first on
-    its path; ``env`` adds to its environment. Each node runs in a session of its own,
-    so that a kill reaches the launcher's workers too."""
+    instead, its address in ``GOSSIP_LISTEN`` (every rank's); ``env`` adds to its
+    environment. Every process imports this checkout's gossip. Each node runs in a
+    session of its own, so that a kill reaches the launcher's workers too."""
 
     def __init__(self, workdir: Path, name: str, args: list[str], port: int | None = None,
                  script: Path | None = None, group: int = 1, torchrun: int = 0,
@@ -45,9 +45,11 @@ class NodeProc:
         self.err = workdir / f"{name}.err"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
         root = str(Path(__file__).resolve().parents[1])
+        # this checkout's gossip, wherever (or whether) the package is installed: a script
+        # runs with its own folder first on its path, not the repository's
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         if script is not None and torchrun:
-            path = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-            env.update(GOSSIP_LISTEN=self.addr, PYTHONPATH=path)
+            env["GOSSIP_LISTEN"] = self.addr
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun),
                    str(script), *args]
         elif script is not None:
