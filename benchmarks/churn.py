@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -210,4 +211,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # every node started from scratch, as on a real machine: a restart pays its imports again
+    # (the tests start theirs from a fork server that imported torch once: tests/forkserver.py)
+    os.environ.setdefault("GOSSIP_TEST_FORK", "0")
     main()

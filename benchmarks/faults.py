@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import signal
 import sys
@@ -369,4 +370,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # every node started from scratch, as on a real machine: a restart pays its imports again
+    # (the tests start theirs from a fork server that imported torch once: tests/forkserver.py)
+    os.environ.setdefault("GOSSIP_TEST_FORK", "0")
     sys.exit(main())

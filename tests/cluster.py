@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from gossip.transport.ports import free_port, free_ports
+from tests import forkserver
 
 
 def _die_with_parent() -> None:
@@ -59,9 +60,13 @@ class NodeProc:
                    "--listen", f"tcp://{self.addr}", "--threads", "1", "-v", *args]
             if group > 1:
                 cmd += ["--nproc-per-node", str(group)]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.out, "w"), stderr=open(self.err, "w"), env=env,
-                                     cwd=root, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+        self.proc: subprocess.Popen | forkserver.ForkedProc
+        if group == 1 and forkserver.enabled():  # a process of its own, without paying torch's imports again
+            self.proc = forkserver.spawn(cmd[2 if script is not None else 3:], script=str(script) if script else None,
+                                         env=env, cwd=root, out=self.out, err=self.err)
+        else:
+            self.proc = subprocess.Popen(cmd, stdout=open(self.out, "w"), stderr=open(self.err, "w"), env=env,
+                                         cwd=root, start_new_session=True, preexec_fn=_die_with_parent)
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
 from tests.cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,8 +34,13 @@ class ScriptProc:
         self.out, self.err = workdir / f"{name}.out", workdir / f"{name}.err"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GOSSIP_LISTEN=f"127.0.0.1:{port}",
                    GOSSIP_PEERS=f"127.0.0.1:{peer}")
-        self.proc = subprocess.Popen([sys.executable, str(script), *args], stdout=open(self.out, "w"),
-                                     stderr=open(self.err, "w"), env=env, cwd=str(ROOT))
+        self.proc: subprocess.Popen | forkserver.ForkedProc
+        if forkserver.enabled():  # a process of its own, without paying torch's imports again
+            self.proc = forkserver.spawn(list(args), script=str(script), env=env, cwd=str(ROOT), out=self.out,
+                                         err=self.err)
+        else:
+            self.proc = subprocess.Popen([sys.executable, str(script), *args], stdout=open(self.out, "w"),
+                                         stderr=open(self.err, "w"), env=env, cwd=str(ROOT))
 
     def log(self) -> str:
         return self.err.read_text()
