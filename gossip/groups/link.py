@@ -78,6 +78,23 @@ class StoreLink:
         with self._lock:
             self.store.set("news", news.to_json())
 
+    def publish_result(self, call: int, data: bytes) -> None:
+        """Rank 0: the result of the group's collective number ``call`` (see
+        :mod:`gossip.groups.collectives`). The previous call's key goes: every rank read it
+        before it entered this call's collective inside the group."""
+        self.store.set(f"c/{call}", data)
+        if call > 1:
+            self.store.delete_key(f"c/{call - 1}")
+
+    def result(self, call: int, timeout: float) -> bytes | None:
+        """Ranks 1..K-1: the result of collective ``call`` once rank 0 published it (the
+        store looked at as :meth:`next` does: no collective is waiting), or None after
+        ``timeout`` seconds."""
+        key = f"c/{call}"
+        if not self._wait([key], timeout):
+            return None
+        return self.store.get(key)
+
     def news(self) -> News:
         if not self.store.check(["news"]):
             return News()

@@ -20,6 +20,9 @@ pieces ``gossip-node --nproc-per-node K`` runs, around the user's loop instead o
 - ``optimizer.step()`` on every rank counts the step and, every ``period`` steps, runs
   the exchange the group's loop runs (``gossip.groups.run``): rank 0's decision first,
   then each rank's shard mixed, then the group made whole again (``after_mix``).
+- ``average``, ``all_gather`` and ``barrier`` across members, on every rank: inside the
+  group first, then rank 0 in the members' collective (as a single-process member), then
+  rank 0's result to the other ranks through the store (:mod:`gossip.groups.collectives`).
 
 What the single-process node does and a group cannot (yet) raises an error naming it:
 see :data:`GROUP_REFUSED` and :data:`NOT_FOR_GROUPS`.
@@ -39,8 +42,10 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from gossip.groups.collectives import GroupCollectives, TorchIntra, follower_wait
 from gossip.groups.group import current_group, shard_view, wrapped
 from gossip.mixing.settings import MixingSettings
+from gossip.peer.collectives import Collectives
 from gossip.peer.group import GroupFollower, GroupLeader
 from gossip.peer.user_loop import (ClusterFinished, GossipNode, check_options, default_logging, init, set_threads,
                                    unwrap_optimizer, user_config)
@@ -64,13 +69,12 @@ GROUP_REFUSED = {
     "device": "the model already lives on this rank's device (DDP or fully_shard placed it); leave device out",
 }
 
-# GossipNode's methods that a group cannot run, and why
+# GossipNode's methods that a group cannot run, and why (average, all_gather and barrier have a
+# group form: gossip.groups.collectives)
 NOT_FOR_GROUPS = {
-    name: "the collectives across members (average, all_gather, barrier, consensus_model) run between "
-          "single-process members; in a group only rank 0 speaks for the member, and no group form of them "
-          "exists yet. Inside the group, use torch.distributed (all_reduce); across members, evaluate each "
-          "group's model on its own"
-    for name in ("average", "all_gather", "barrier", "consensus_model")
+    "consensus_model": "the exact average of the members' models would move every rank's shard to rank r of "
+                       "every other member, and only rank 0 takes part in the collectives across members; "
+                       "evaluate each group's model on its own and combine the figures with node.average",
 }
 NOT_FOR_GROUPS["neighbor_distance"] = ("rank 0 sees only its own shard, so its distance to the neighbours is not "
                                        "the model's; the summary of close() on each rank holds its shard's figures")
@@ -138,11 +142,15 @@ class GroupNode(GossipNode):
         k, r = group.size, group.rank
         link = group.link()
         member: GroupLeader | GroupFollower
+        across: Collectives | None = None
         if r == 0:
             member = GroupLeader(cfg, view.flat, view.fingerprint, link, k)
+            across = self._speak_for_the_group(member)
         else:
             member = GroupFollower(cfg, r, view.flat, view.fingerprint, link)
         self.member = member
+        self.collectives = GroupCollectives(r, k, link, TorchIntra(group.device), across,
+                                            follower_wait(cfg.timing.join_timeout, cfg.timeout))
         try:
             resumed = None
             path = latest_group_checkpoint(checkpoint_dir) if cfg.resume and checkpoint_dir else None
@@ -169,6 +177,10 @@ class GroupNode(GossipNode):
         if member.joined:
             log.info("%s rank %d: took the member's shard; this rank's optimizer state (momentum, learning rates) "
                      "is its own: a group hands over parameters only", cfg.node_id, r)
+            extra = member.node.handed_over.get("extra") if across is not None else None
+            calls = extra.get("calls") if isinstance(extra, dict) else None
+            if across is not None and type(calls) is int and calls >= 0:
+                across.calls = calls  # the group's next collective is the members' next
         self._shard = (start.rank * k + r, start.world * k)  # rank r of member m: shard m*K + r of world*K
         self.start_step = self.steps
         self._t_start = time.monotonic()
@@ -335,19 +347,51 @@ class GroupNode(GossipNode):
         save_group_checkpoint(self.cfg.checkpoint_dir, node.step, self.group, self.model, self.optimizer, node,
                               self.view, members=list(node.members))
 
+    # -- collectives across members ----------------------------------------------------------
+    @staticmethod
+    def _speak_for_the_group(leader: GroupLeader) -> Collectives:
+        """Rank 0's part in the members' collectives, as a single-process member's; a joiner
+        takes the count of collectives so far with rank 0's shard (``calls``)."""
+        across = Collectives(leader.peer)
+        life = leader.peer.life
+        then = life.on_node  # (GroupLead's: binds the shard)
+
+        def on_node(node: Any) -> None:
+            if then is not None:
+                then(node)
+            node.handover_extra = lambda: {"calls": across.calls}
+
+        life.on_node = on_node
+        return across
+
+    def _open(self, name: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"GossipNode.{name} after close(): the node has left the cluster")
+
+    def average(self, value: Any, weight: float = 1.0) -> Any:
+        """The weighted mean of ``value`` (a float, a sequence of floats, or a tensor) over
+        every rank of every member, the same on every rank: each rank's ``weight * value``
+        and ``weight`` are summed inside the group, then the members' weighted mean is
+        taken (see :mod:`gossip.groups.collectives`). A collective: every rank of every
+        member calls it at the same point of its loop."""
+        self._open("average")
+        return self.collectives.average(value, weight)
+
+    def all_gather(self, value: Any) -> list[torch.Tensor]:
+        """Every rank's ``value`` (the same shape everywhere): one tensor per rank of every
+        live member, in member id order and, within a member, rank order. A collective."""
+        self._open("all_gather")
+        return self.collectives.all_gather(value)
+
+    def barrier(self) -> None:
+        """Return once every rank of every live member has reached its matching call."""
+        self._open("barrier")
+        self.collectives.barrier()
+
     # -- what a group cannot do --------------------------------------------------------------
     def _not_for_groups(self, name: str) -> Any:
         raise NotImplementedError(f"GossipNode.{name} is not supported for a group under torchrun: "
                                   f"{NOT_FOR_GROUPS[name]}")
-
-    def average(self, value: Any, weight: float = 1.0) -> Any:
-        return self._not_for_groups("average")
-
-    def all_gather(self, value: Any) -> list[torch.Tensor]:
-        return self._not_for_groups("all_gather")
-
-    def barrier(self) -> None:
-        self._not_for_groups("barrier")
 
     def consensus_model(self) -> Any:
         return self._not_for_groups("consensus_model")

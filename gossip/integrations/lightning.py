@@ -27,33 +27,67 @@ steps and hands the optimizer and schedulers over; it refuses to start when the
 training loader is not sharded, so that no node trains the same batches as another
 unnoticed.
 
-Inside a group of devices started by torchrun (DDP or FSDP within a node, gossip
-between nodes), the strategy would wrap Lightning's DDP/FSDP strategy; that waits for
-gossip-node's groups to run on the one control plane (see docs/GROUPS.md), and this
-strategy is for one process per member today.
+**Under torchrun** (``torchrun --nproc-per-node K script.py``: a world of K > 1 processes),
+each process is one rank of a group member (docs/GROUPS.md), with the same one argument:
+
+- the strategy starts the process group if the script did not (gloo on CPU, NCCL on CUDA,
+  Lightning's ``_init_dist_connection``), wraps the LightningModule in
+  ``DistributedDataParallel`` when fitting, as Lightning's ``DDPStrategy`` does (its
+  forward redirection and ``prepare_for_backward`` included), and then makes the node on
+  every rank: :class:`gossip.GossipNode` over the wrapped model is a
+  :class:`~gossip.groups.user_loop.GroupNode` (rank 0 runs the member's protocol, rank r
+  gossips slice r of the replica with rank r of the other groups);
+- ``global_rank`` / ``world_size`` (and the sampler's arguments) are ``m*K + r`` of ``M*K``
+  for rank r of the member with shard m: the K ranks of every member read disjoint data;
+- ``reduce`` (``sync_dist``), ``all_gather``, ``barrier`` and ``reduce_boolean_decision``
+  go over every rank of every member through the group forms of the collectives
+  (:mod:`gossip.groups.collectives`); ``broadcast`` is rank 0's object inside the group;
+  before training starts they stay inside the group (a joining group has no partners yet);
+- ``trainer.is_global_zero`` holds on rank 0 of the first member only: Lightning's
+  checkpoints (a full state dict: DDP's replica) are written by that one process.
+
+``intra="fsdp"`` is refused (see :data:`FSDP_REFUSED`); the schedulers stay each group's
+own (a group hands a joiner its parameters only). Call ``trainer.strategy.node.close()``
+on every rank at the end (before ``destroy_process_group``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 try:
     import lightning.pytorch as pl
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+    from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
     from lightning.pytorch.strategies import ParallelStrategy
+    from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+    from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.data import _update_dataloader
 except ImportError as e:  # pragma: no cover - the optional extra
     raise ImportError("gossip.integrations.lightning needs Lightning: pip install \".[lightning]\"") from e
 
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from gossip.peer.user_loop import GossipNode, init
+from gossip.groups.user_loop import GroupNode  # (GossipNode's form on each rank under torchrun)
+from gossip.peer.user_loop import GossipNode, distributed_world, init
 from gossip.training.sampler import ShardSampler, sampler_of
 
-__all__ = ["GossipStrategy", "GossipCallback"]
+__all__ = ["GossipStrategy", "GossipCallback", "FSDP_REFUSED"]
+
+#: why ``GossipStrategy(intra="fsdp")`` is an error
+FSDP_REFUSED = ("intra='fsdp' is not supported by GossipStrategy yet: Lightning's fully_shard path "
+                "(ModelParallelStrategy) has the LightningModule shard itself in configure_model and saves "
+                "distributed checkpoints, which this strategy does not carry over; use intra='ddp', or fully_shard "
+                "the model in a training loop of your own with gossip.GossipNode (examples/torchrun_own_loop.py)")
 
 log = logging.getLogger("gossip.integrations.lightning")
 
@@ -80,11 +114,18 @@ def _schedulers(trainer: Any) -> list[Any]:
 
 
 def _attach(node: GossipNode, trainer: Any) -> None:
-    """The Trainer's optimizer and schedulers to the node (a joiner's state goes in now)."""
+    """The Trainer's optimizer and schedulers to the node (a joiner's state goes in now); a
+    group's node takes the optimizer only, its schedulers staying each rank's own."""
     optimizers = list(trainer.optimizers)
     if len(optimizers) != 1:
         raise ValueError(f"gossip counts the steps of one optimizer; configure_optimizers gave {len(optimizers)}")
-    node.attach(optimizers[0], scheduler=_schedulers(trainer) or None)
+    if not isinstance(node, GroupNode):
+        node.attach(optimizers[0], scheduler=_schedulers(trainer) or None)
+        return
+    node.attach(optimizers[0])
+    if _schedulers(trainer):
+        log.info("%s rank %d: the learning-rate schedulers are stepped by Lightning on every rank; a group hands a "
+                 "joiner its parameters only, not their state", node.id, node.group_rank)
 
 
 def _move_loops(trainer: Any, step: int) -> tuple[int, int]:
@@ -103,27 +144,53 @@ def _move_loops(trainer: Any, step: int) -> tuple[int, int]:
 
 
 class GossipStrategy(ParallelStrategy):
-    """A Lightning strategy for one gossip member per process (see the module).
+    """A Lightning strategy for one gossip member per process, or, under torchrun, for each
+    rank of a group member (see the module).
 
     Parameters
     ----------
     gossip : a :class:`gossip.GossipNode` made by :func:`gossip.init` with this model, or the
         keywords to make one (``listen``, ``peers``, ``period``, ``timeout`` ...; default:
-        ``GOSSIP_LISTEN`` / ``GOSSIP_PEERS`` from the environment)
-    device : where the model trains (``"cpu"``, ``"cuda:0"``)
+        ``GOSSIP_LISTEN`` / ``GOSSIP_PEERS`` from the environment); under torchrun, the
+        keywords only (the node is made after the model is wrapped)
+    device : where the model trains (``"cpu"``, ``"cuda:0"``; under torchrun ``"cuda"`` is
+        ``cuda:LOCAL_RANK``)
+    intra : under torchrun, how the group trains inside: ``"ddp"`` (``"fsdp"``: see
+        :data:`FSDP_REFUSED`)
+    ddp : under torchrun, keywords for ``DistributedDataParallel`` (``find_unused_parameters``, ...)
+    timeout : under torchrun, the process group's collective timeout, when the strategy starts it
     """
 
     strategy_name = "gossip"
 
     def __init__(self, gossip: GossipNode | dict[str, Any] | None = None, device: str | torch.device = "cpu",
+                 intra: str = "ddp", ddp: dict[str, Any] | None = None, timeout: timedelta = timedelta(minutes=30),
                  **kwargs: Any) -> None:
-        super().__init__(parallel_devices=[torch.device(device)], **kwargs)
+        if intra not in ("ddp", "fsdp"):
+            raise ValueError(f"intra must be one of ddp, fsdp, got {intra!r}")
+        if intra == "fsdp":
+            raise ValueError(FSDP_REFUSED)
+        if ddp is not None and not isinstance(ddp, dict):
+            raise ValueError(f"ddp must be a dict of DistributedDataParallel's keywords, got {type(ddp).__name__}")
         if gossip is not None and not isinstance(gossip, (GossipNode, dict)):
             raise ValueError(f"gossip must be a GossipNode (gossip.init) or a dict of its options, "
                              f"got {type(gossip).__name__}")
+        # a rank of a group member: torchrun started this process in a world of more than one
+        self.in_group = distributed_world() > 1
+        if self.in_group and isinstance(gossip, GossipNode):
+            raise ValueError("under torchrun GossipStrategy wraps the model in DistributedDataParallel and makes the "
+                             "node on every rank after that: give gossip= as a dict of GossipNode's options")
+        dev = torch.device(device)
+        if self.in_group and dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        super().__init__(parallel_devices=[dev], **kwargs)
         self.node: GossipNode | None = gossip if isinstance(gossip, GossipNode) else None
         self._options = dict(gossip) if isinstance(gossip, dict) else {}
-        self._device = torch.device(device)
+        self._device = dev
+        self._ddp_kwargs = dict(ddp or {})
+        self._timeout = timeout
+        if self.in_group:
+            self._forward_redirection = _DDPForwardRedirection()  # (manual optimisation, as DDPStrategy)
         self._shard: tuple[int, int] | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, batches done) a joiner's loader leaves out
         # collectives from the start of training on: before it, a node joining a running cluster
@@ -139,25 +206,44 @@ class GossipStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         return self._device
 
+    def _group_rank(self) -> tuple[int, int]:
+        """This process's rank and its group's size (torch.distributed's, else torchrun's)."""
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return int(os.environ.get("RANK", "0")), distributed_world()
+
     @property
     def global_rank(self) -> int:
-        return self._shard[0] if self._shard is not None else 0
+        if self._shard is not None:
+            return self._shard[0]
+        return self._group_rank()[0] if self.in_group else 0
 
     @property
     def world_size(self) -> int:
-        return self._shard[1] if self._shard is not None else 1
+        if self._shard is not None:
+            return self._shard[1]
+        return self._group_rank()[1] if self.in_group else 1
 
     @property
     def is_global_zero(self) -> bool:
-        return self.node.is_first if self.node is not None else True
+        if self.node is not None:
+            return self.node.is_first
+        return self._group_rank()[0] == 0 if self.in_group else True
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        rank, world = self._join().fixed_shard()
+        if self.in_group and self.node is None:
+            # (before fit made the node: a validation of its own splits the group's data among its ranks)
+            rank, world = self._group_rank()
+        else:
+            rank, world = self._join().fixed_shard()
         return {"num_replicas": world, "rank": rank}
 
     def _join(self) -> GossipNode:
         if self.node is None:
+            if self.in_group:
+                raise RuntimeError("under torchrun GossipStrategy makes the node when the Trainer sets up the model "
+                                   "for fitting (trainer.fit)")
             model = self.lightning_module
             if model is None:
                 raise RuntimeError("GossipStrategy joins once the Trainer has the model (trainer.fit)")
@@ -169,11 +255,41 @@ class GossipStrategy(ParallelStrategy):
     # -- the Trainer's life -------------------------------------------------------------------
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._join()  # before anything asks who is global zero
+        if not self.in_group:
+            self._join()  # before anything asks who is global zero
+        elif not dist.is_initialized():
+            if self.cluster_environment is None:
+                self.cluster_environment = TorchElasticEnvironment()
+            backend = "nccl" if self._device.type == "cuda" else "gloo"
+            kwargs: dict[str, Any] = {"timeout": self._timeout}
+            if backend == "nccl":
+                kwargs["device_id"] = self._device
+            _init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Under torchrun, when fitting: the module in DDP, then the group's node over it (every
+        rank blocks here until the group trains: rank 0 finds the cluster)."""
+        if not self.in_group:
+            return model
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            _sync_module_states(model)  # (no gradients to reduce: the group's ranks alike, as DDPStrategy)
+            return model
+        ids = [self._device.index] if self._device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=ids, **self._ddp_kwargs)
+        if self.node is None:
+            self.node = GossipNode(wrapped, None, **{"handle_signals": False, **self._options})
+            assert isinstance(self.node, GroupNode)
+            self._shard = self.node.fixed_shard()
+        return wrapped
 
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
+            prepare_for_backward(self.model, closure_loss)
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """The training loader: this node's shard, leaving out what the cluster has done of
@@ -212,35 +328,57 @@ class GossipStrategy(ParallelStrategy):
                      node.steps, epoch, done)
 
     # -- collectives ------------------------------------------------------------------------------
+    # (before training, a group's ranks reduce, gather and wait among themselves only)
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if not self._together or not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor):
             return tensor
+        if not self._together:
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if self.in_group else tensor
         return _reduce(self.node, tensor, _op_name(reduce_op))
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         if not self._together:
-            return tensor
+            return super().all_gather(tensor, group, sync_grads) if self.in_group else tensor
         return torch.stack(self.node.all_gather(tensor))
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if not self._together:
-            return decision
+            return super().reduce_boolean_decision(decision, all) if self.in_group else decision
         votes = [bool(v) for v in self.node.all_gather(torch.tensor(float(decision)))]
         return builtins_all(votes) if all else any(votes)
 
     def barrier(self, name: str | None = None) -> None:
         if self._together:
             self.node.barrier()
+        elif self.in_group and dist.is_initialized():  # (inside the group, as DDPStrategy's)
+            if self._device.type == "cuda":
+                dist.barrier(device_ids=[self._device.index])
+            else:
+                dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        # objects do not travel (nothing is pickled between members); Lightning broadcasts what
-        # every member computes alike (a checkpoint's file name), so each keeps its own
+        # objects do not travel between members (nothing is pickled between them); Lightning
+        # broadcasts what every member computes alike (a checkpoint's file name), so each keeps
+        # its own. Inside a group, rank 0's (as DDP's): the ranks of a member agree
+        if self.in_group and dist.is_initialized():
+            box = [obj]
+            dist.broadcast_object_list(box, 0)
+            return box[0]
         return obj
 
     def teardown(self) -> None:
         # the node stays a member for what the script does after fit (validate, test: their
         # sync_dist metrics are collectives too); it leaves at node.close() or at the script's exit.
         # (ParallelStrategy's own teardown asks a cluster environment, which gossip has none of)
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module  # (DDP's wrapper goes, as DDPStrategy's teardown does)
+        if self.in_group and self.node is not None and self._device.type != "cpu":
+            # Strategy.teardown would move the module to the CPU, out of the shard the group's
+            # node gossips until node.close() (which checks that the parameters are still there)
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         pl.strategies.Strategy.teardown(self)
 
 

@@ -23,11 +23,32 @@ from gossip.compression import get_codec
 from gossip.core.message import Message
 from gossip.mixing.base import decode_payload
 
-__all__ = ["Collectives"]
+__all__ = ["Collectives", "check_weight", "flat_values", "shaped_like"]
 
 log = logging.getLogger("gossip.user_loop")
 
 OPS = ("avg", "model", "start", "barrier", "gather")
+
+
+def check_weight(weight: Any) -> None:
+    """A collective's weight is a positive finite number (``ValueError`` otherwise)."""
+    if isinstance(weight, bool) or not (isinstance(weight, (int, float)) and weight > 0 and math.isfinite(weight)):
+        raise ValueError(f"weight must be a positive number, got {weight!r}")
+
+
+def flat_values(value: Any) -> torch.Tensor:
+    """``value`` (a float, a sequence of floats, or a tensor) as a flat float64 CPU tensor."""
+    return torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(-1)
+
+
+def shaped_like(value: Any, mean: torch.Tensor) -> Any:
+    """``mean`` (flat float64) in the form ``value`` came in: a float, a tensor of its shape
+    and dtype, or a list."""
+    if isinstance(value, (int, float)):
+        return float(mean[0])
+    if isinstance(value, torch.Tensor):
+        return mean.reshape(value.shape).to(value.dtype)
+    return mean.tolist()
 
 
 class Collectives:
@@ -43,18 +64,19 @@ class Collectives:
     def average(self, value: Any, weight: float = 1.0) -> Any:
         """The mean of ``value`` (a float, a sequence of floats, or a tensor) over the
         cluster's members, weighted by ``weight``; the same result on every member."""
-        as_float = isinstance(value, (int, float))
-        t = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(-1)
-        if isinstance(weight, bool) or not (isinstance(weight, (int, float)) and weight > 0 and math.isfinite(weight)):
-            raise ValueError(f"weight must be a positive number, got {weight!r}")
-        got = self.gather("avg", torch.cat([t * weight, torch.tensor([float(weight)], dtype=torch.float64)]))
+        check_weight(weight)
+        t = flat_values(value)
+        return shaped_like(value, self.mean_of(torch.cat([t * weight, torch.tensor([float(weight)],
+                                                                                   dtype=torch.float64)])))
+
+    def mean_of(self, sums: torch.Tensor) -> torch.Tensor:
+        """The members' weighted mean from this member's weighted sums: ``sums`` is float64
+        ``[sum of weight * value ..., sum of weights]`` (a single node's ``[w*v..., w]``; a
+        group's, summed over its ranks), and so is what every other member sends. Returns
+        the mean as float64, the same float on every member."""
+        got = self.gather("avg", sums)
         total = sum(got[k] for k in sorted(got))  # the same order everywhere: the same float result
-        mean = total[:-1] / total[-1]
-        if as_float:
-            return float(mean[0])
-        if isinstance(value, torch.Tensor):
-            return mean.reshape(value.shape).to(value.dtype)
-        return mean.tolist()
+        return total[:-1] / total[-1]
 
     def all_gather(self, value: torch.Tensor) -> list[torch.Tensor]:
         """Every live member's ``value`` (same shape everywhere), in member-id order."""

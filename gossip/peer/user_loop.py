@@ -271,9 +271,10 @@ class GossipNode:
     :class:`gossip.groups.user_loop.GroupNode`: wrap the model first
     (``DistributedDataParallel`` or ``fully_shard``); ``listen`` is the group's address
     on every rank (rank r binds its port + r); rank 0 runs the member's protocol and the
-    others follow it; :meth:`sampler` gives rank r of member m shard ``m*K + r``. A plain
-    module there, and what a group cannot do (``scheduler``, ``same_start=True``, the
-    collectives across members), are errors naming why (docs/GROUPS.md).
+    others follow it; :meth:`sampler` gives rank r of member m shard ``m*K + r``;
+    :meth:`average`, :meth:`all_gather` and :meth:`barrier` run over every rank of every
+    member. A plain module there, and what a group cannot do (``scheduler``,
+    ``same_start=True``, :meth:`consensus_model`), are errors naming why (docs/GROUPS.md).
     """
 
     #: what GossipNode is in a process of a torch.distributed world of more than one (torchrun):

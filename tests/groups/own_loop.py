@@ -9,14 +9,17 @@ The model, optimizer and data are gossip-node's task's (``--task``, ``--seed``),
 group of this loop trains bit for bit as ``gossip-node --nproc-per-node 2`` on the same
 schedule. Each rank writes ``DIR/rank-R.json`` (its summary, its data shard, the
 sampler's indices, how it ended); rank 0 writes the group's whole parameters to
-``DIR/params.pt``.
+``DIR/params.pt``. With ``--collectives``, every rank calls the collectives across members
+after its last step (after sleeping ``--pause`` seconds) and records what they returned.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,12 +40,15 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--metrics", default=None)  # (not --log: torchrun would take it for its --log-dir)
+    ap.add_argument("--collectives", action="store_true")
+    ap.add_argument("--pause", type=float, default=0.0)
+    ap.add_argument("--pg-timeout", type=float, default=1800.0)  # the process group's collective timeout
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     task = get_task(args.task)
     model = init_model(task, args.seed, "cpu")  # the same start in every group
     if args.intra == "ddp":
@@ -69,9 +75,11 @@ def main() -> int:
             optimizer.zero_grad(set_to_none=True)
             task.loss(model, stream.next()).backward()
             optimizer.step()  # counts the step; every period-th exchanges
+        collectives = run_collectives(node, args.pause) if args.collectives else None
         summary = node.close()
     except SystemExit as e:  # a signal: the group stopped at one exchange, every rank closed there
         ended = f"exit {e.code}"
+        collectives = None
         summary = node.close()
     if args.intra == "ddp":
         params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
@@ -83,10 +91,24 @@ def main() -> int:
     indices = [int(i) for i in node.sampler(range(40), shuffle=False)]
     record = {"group_rank": rank, "rank": node.rank, "world_size": node.world_size, "steps": node.steps,
               "members": node.members, "sampler": indices, "ended": ended, "id": node.id,
-              "type": type(node).__name__, "start": start, "summary": summary}
+              "type": type(node).__name__, "start": start, "summary": summary, "collectives": collectives}
     (out / f"rank-{rank}.json").write_text(json.dumps(record, default=str))
     dist.destroy_process_group()
     return 0 if ended == "steps" else 143
+
+
+def run_collectives(node: gossip.GossipNode, pause: float) -> dict:
+    """The collectives across members, on every rank: an average weighted by 1 + the data
+    shard, a tensor's average, every rank's (shard, group rank), and a barrier."""
+    time.sleep(pause)  # (the other group's rank 0 waits for this one meanwhile)
+    t0 = time.monotonic()
+    shard = node.rank
+    out = {"average": node.average(float(shard), weight=1.0 + shard),
+           "tensor": node.average(torch.tensor([shard, 1.0]), weight=2.0).tolist(),
+           "gather": [t.tolist() for t in node.all_gather(torch.tensor([shard, dist.get_rank()]))]}
+    node.barrier()
+    out["wait_s"] = time.monotonic() - t0
+    return out
 
 
 if __name__ == "__main__":

@@ -95,6 +95,37 @@ def test_two_fsdp_groups_in_loops_of_their_own_train_as_single_nodes_on_the_same
     assert _max_diff(full_params(tmp_path / "ck"), torch.load(out["a"] / "params.pt", weights_only=True)) == 0.0
 
 
+def test_two_groups_average_gather_and_barrier_across_members_on_every_rank(tmp_path):
+    """The collectives across members on every rank of two DDP groups of 2: the average is
+    the exact weighted mean over the 4 ranks (weight 1 + shard), the same float everywhere;
+    all_gather gives the 4 ranks' values in member then rank order. Group b reaches the
+    collectives 15 s late: group a's rank 0 waits on the members and its rank 1 on the
+    store, longer than the process group's collective timeout (8 s), and nothing fails."""
+    pa, pb = (free_ports(K, consecutive=True)[0] for _ in range(2))
+    out = {"a": tmp_path / "a", "b": tmp_path / "b"}
+    pause = {"a": "0", "b": "15"}
+    with Cluster(tmp_path) as c:
+        procs = {name: c.start(name, _script_args("ddp", 4, out[name], "--collectives", "--pause", pause[name],
+                                                  "--pg-timeout", "8"),
+                               port=port, script=SCRIPT, torchrun=K, env={"GOSSIP_PEERS": f"127.0.0.1:{other}"})
+                 for name, port, other in (("a", pa, pb), ("b", pb, pa))}
+        for x in procs.values():
+            assert x.wait(LIMIT) == 0, x.log()[-3000:]
+    ranks = {name: _ranks(out[name]) for name in out}
+    every = [d for name in out for d in ranks[name]]
+    assert sorted(d["rank"] for d in every) == [0, 1, 2, 3], every
+    shards = [d["rank"] for d in every]
+    exact = sum(s * (1.0 + s) for s in shards) / sum(1.0 + s for s in shards)  # (20 / 10: exact in floats)
+    for d in every:
+        got = d["collectives"]
+        assert got["average"] == exact == 2.0, got
+        assert got["tensor"] == [1.5, 1.0], got
+        order = sorted(every, key=lambda e: (e["id"], e["group_rank"]))
+        assert got["gather"] == [[e["rank"], e["group_rank"]] for e in order], got
+    for d in ranks["a"]:  # (b paused 15 s before its collectives: a's ranks waited that long, outside torch's)
+        assert d["collectives"]["wait_s"] > 8.0, d["collectives"]
+
+
 @pytest.mark.slow
 def test_a_ddp_group_in_a_loop_of_its_own_trains_with_a_single_process_gossiping_as_a_group(tmp_path):
     """A DDP group of 2 running GossipNode in its own loop and one ``gossip-node --as-group 2``

@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("lightning", reason="the Lightning integration needs Lightning: pip install '.[lightning]'")
 
@@ -141,3 +142,83 @@ def test_a_lightning_node_killed_and_restarted_continues_at_the_clusters_step(tm
     for e, ids in epoch_sets(mine, joined).items():
         assert not ids & (theirs[0].get(e, set()) | theirs[1].get(e, set())), e
     assert len(epoch_sets(mine, joined)[epoch]) == 10 * (8 - done)
+
+
+def test_the_strategy_knows_a_torchrun_rank_and_refuses_what_it_cannot_do_naming_why(monkeypatch):
+    from gossip.integrations.lightning import FSDP_REFUSED, GossipStrategy
+    from gossip.peer.user_loop import GossipNode
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError) as e:
+        GossipStrategy(intra="fsdp")
+    assert str(e.value) == FSDP_REFUSED and "intra='ddp'" in FSDP_REFUSED
+    with pytest.raises(ValueError, match="intra must be one of ddp, fsdp, got 'zero'"):
+        GossipStrategy(intra="zero")
+    with pytest.raises(ValueError, match="ddp must be a dict"):
+        GossipStrategy(ddp=True)
+    alone = GossipStrategy()
+    assert not alone.in_group and (alone.global_rank, alone.world_size, alone.is_global_zero) == (0, 1, True)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (torchrun's rank 1 of 2; the process group not started)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    rank = GossipStrategy(device="cuda")
+    assert rank.in_group and rank.root_device == torch.device("cuda", 1)
+    # before the node exists: this rank of its group (a validation before fit splits the group's data)
+    assert (rank.global_rank, rank.world_size, rank.is_global_zero) == (1, 2, False)
+    assert rank.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+    with pytest.raises(ValueError, match="give gossip= as a dict of GossipNode's options"):
+        GossipStrategy(gossip=object.__new__(GossipNode))
+
+
+TORCHRUN_SCRIPT = SCRIPTS / "lightning_torchrun.py"
+
+
+def test_two_groups_under_torchrun_shard_over_every_rank_agree_on_sync_dist_and_one_rank_saves(tmp_path):
+    """Two groups of 2 ranks (torchrun, gloo), each rank running the Lightning script with
+    GossipStrategy, which wraps the module in DDP: both train 12 steps; the 4 ranks read
+    disjoint quarters of the data in each epoch (rank r of member m: shard 2m + r);
+    sync_dist metrics are the same floats on every rank (the mean of the ranks' shard
+    indices, the sum of their sample counts); node.average is the exact weighted mean; one
+    rank of the cluster is global zero and is the only one that writes checkpoints, with
+    the full state dict of the model it trained; the groups end as one model."""
+    from gossip.transport.ports import free_ports
+    from tests.cluster import Cluster
+
+    pa, pb = (free_ports(2, consecutive=True)[0] for _ in range(2))
+    with Cluster(tmp_path) as c:
+        procs = {name: c.start(name, ["--out", str(tmp_path / name), "--dir", str(tmp_path / f"d{name}")], port=port,
+                               script=TORCHRUN_SCRIPT, torchrun=2, env={"GOSSIP_PEERS": f"127.0.0.1:{other}"})
+                 for name, port, other in (("a", pa, pb), ("b", pb, pa))}
+        for x in procs.values():
+            assert x.wait(400) == 0 and "Traceback" not in x.log(), x.log()[-3000:]
+    ranks = {(name, r): json.loads((tmp_path / name / f"rank-{r}.json").read_text()) for name in "ab" for r in (0, 1)}
+    ids = sorted(x.addr for x in procs.values())
+    for (name, r), d in ranks.items():
+        m = ids.index(procs[name].addr)
+        assert d["type"] == "GroupNode" and d["id"] == procs[name].addr, d
+        assert (d["global_rank"], d["world_size"]) == (2 * m + r, 4), d
+        assert d["global_step"] == 12 and d["summary"]["trained_steps"] == 12, d  # 240 / 4 ranks / 10: 6 an epoch
+        assert d["summary"]["timed_out_rounds"] == 0, d["summary"]
+        assert d["metrics"]["val_shard"] == 1.5 and d["metrics"]["val_count"] == 80.0, d["metrics"]
+        assert d["metrics"]["val_loss"] < 0.5, d["metrics"]  # (it learned: about 0.69 untrained)
+        assert d["average"] == 2.0, d  # (0*1 + 1*2 + 2*3 + 3*4) / (1 + 2 + 3 + 4)
+    assert len({d["metrics"]["val_loss"] for d in ranks.values()}) == 1, ranks
+    for e in range(2):  # each epoch: 4 disjoint quarters of the 240 samples
+        parts = [set(d["seen"][60 * e:60 * (e + 1)]) for d in ranks.values()]
+        assert [len(p) for p in parts] == [60] * 4 and len(set().union(*parts)) == 240, e
+    zero = [k for k, d in ranks.items() if d["is_global_zero"]]
+    first = [name for name in "ab" if procs[name].addr == ids[0]][0]
+    assert zero == [(first, 0)], zero
+    written = {(name, r): sorted(p.name for p in (tmp_path / f"d{name}" / f"rank-{r}").rglob("*.ckpt"))
+               for name in "ab" for r in (0, 1)}
+    assert {k: bool(v) for k, v in written.items()} == {k: k == (first, 0) for k in written}, written
+    assert "final.ckpt" in written[(first, 0)] and any(n.startswith("epoch=1-step=12") for n in written[(first, 0)])
+    flats = {k: torch.load(tmp_path / k[0] / f"flat-{k[1]}.pt") for k in ranks}
+    for name in "ab":
+        assert torch.equal(flats[(name, 0)], flats[(name, 1)])  # DDP: the ranks of a group alike
+    assert (flats[("a", 0)] - flats[("b", 0)]).abs().max() < 1e-6  # the last step's exchange: the average
+    state = torch.load(tmp_path / f"d{first}" / "rank-0" / "final.ckpt", weights_only=False)["state_dict"]
+    assert sorted(state) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"], sorted(state)
+    assert torch.equal(torch.cat([state[k].reshape(-1) for k in ("net.0.weight", "net.0.bias", "net.2.weight",
+                                                                 "net.2.bias")]), flats[(first, 0)])
