@@ -569,6 +569,7 @@ def _group_worker(cfg: Any, args: argparse.Namespace, env: Any) -> int:
     from gossip.groups.group import GroupError
     from gossip.groups.run import run_group
     from gossip.protocol.errors import PeerError
+    from gossip.protocol.joining import ClusterFinished
     from gossip.transport.zmq import BindError
 
     setup_logging(args.verbose, f"{cfg.node_id} rank {env.rank}")
@@ -580,6 +581,10 @@ def _group_worker(cfg: Any, args: argparse.Namespace, env: Any) -> int:
     holder, on_leader = _leader_stops(cfg, args, before_leader=lambda: None)
     try:
         summary = run_group(cfg, args.intra, on_leader=on_leader)
+    except ClusterFinished as e:  # every rank: rank 0 told the others (nothing left to train)
+        if env.rank == 0:
+            print(f"gossip-node: {e}; nothing left to train", file=sys.stderr)
+        return 0
     except (ValueError, GroupError, BindError, PeerError) as e:
         return _fail("gossip-node", str(e)) if env.rank == 0 else EXIT_USAGE
     finally:
@@ -628,6 +633,7 @@ def _slices(cfg: Any, args: argparse.Namespace) -> int:
     """One process gossiping as a DDP group of ``--as-group K`` (gossip.groups.run.run_slices)."""
     from gossip.groups.run import run_slices
     from gossip.protocol.errors import PeerError
+    from gossip.protocol.joining import ClusterFinished
     from gossip.transport.zmq import BindError
 
     setup_logging(args.verbose, cfg.node_id)
@@ -635,6 +641,9 @@ def _slices(cfg: Any, args: argparse.Namespace) -> int:
     holder, on_leader = _leader_stops(cfg, args, before_leader=_interrupt)
     try:
         summary = run_slices(cfg, args.as_group, on_leader=on_leader)
+    except ClusterFinished as e:
+        print(f"gossip-node: {e}; nothing left to train", file=sys.stderr)
+        return 0
     except (BindError, PeerError) as e:
         return _fail("gossip-node", str(e))
     finally:

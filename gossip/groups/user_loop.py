@@ -160,14 +160,10 @@ class GroupNode(GossipNode):
                     member.life.resume_step = resumed["step"]
                     member.resumed = (str(path), resumed)
             try:
-                start = member.start()
-            except BaseException as e:
-                if isinstance(member, GroupLeader) and member.lead.seq == 0:
-                    member.lead.publish("exit")  # the other ranks wait for rank 0's start: they end too
-                if isinstance(e, joining.ClusterFinished):
-                    log.warning("%s: %s: nothing left to train; exiting", cfg.node_id, e)
-                    raise ClusterFinished(str(e)) from None
-                raise
+                start = member.start()  # (rank 0 stopping first tells the other ranks why)
+            except joining.ClusterFinished as e:
+                log.warning("%s: %s: nothing left to train; exiting", cfg.node_id, e)
+                raise ClusterFinished(str(e)) from None
             if resumed is not None and member.node.step <= resumed["step"] and not member.joined:
                 restore_node(member.node, resumed)  # a cluster restarted as a whole: this group's own state
             view.after_mix()  # DDP: a joiner's slices taken, the replicas whole again

@@ -124,12 +124,17 @@ class Decision:
     rank: int = 0                   # start: the group's data shard (its index among the members) ...
     world: int = 1                  # ... of this many
     origin: float = 0.0             # start: rank 0's start on the host's monotonic clock (--emulate's windows)
+    why: str = ""                   # exit before a start: what stopped rank 0 ...
+    finished: bool = False          # ... the cluster it would join has finished (every rank exits 0)
 
     def __post_init__(self) -> None:
         if self.kind not in DECISIONS:
             raise ValueError(f"decision kind must be one of {', '.join(DECISIONS)}, got {self.kind!r}")
         if not isinstance(self.origin, (int, float)) or isinstance(self.origin, bool):
             raise ValueError(f"decision origin must be a number, got {self.origin!r}")
+        if not isinstance(self.why, str) or not isinstance(self.finished, bool):
+            raise ValueError(f"decision why must be text and finished true or false, got {self.why!r}, "
+                             f"{self.finished!r}")
         for name in ("seq", "round", "step", "rank", "world"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

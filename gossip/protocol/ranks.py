@@ -27,7 +27,7 @@ from gossip.core.actions import POLL0, Poll, Program, Wait
 from gossip.core.message import Message
 from gossip.protocol.errors import PeerError
 from gossip.protocol.group import Decision, GroupLink, News, ShardFollower, bind_shard, group_of, rank_address
-from gossip.protocol.joining import ClusterGone
+from gossip.protocol.joining import ClusterFinished, ClusterGone
 
 __all__ = ["Start", "GroupLead", "GroupFollow", "POLL", "LISTEN", "NEWS_EVERY"]
 
@@ -154,17 +154,21 @@ class GroupLead:
         :class:`Start`, or None when stopped before training (the ranks are told to exit).
         ``origin``: the group's start on the driver's clock (the ranks' emulated links)."""
         life = self.life
-        mode = yield from life.discover()
-        while mode is not None:
-            try:
-                yield from life.begin(mode)
-                break
-            except ClusterGone as e:  # as Lifecycle.program: the cluster it waited for is gone
-                log.warning("%s: %s; looking for a cluster again", self.id, e)
-                yield from life.start_over()
-                mode = yield from life.discover()
+        try:
+            mode = yield from life.discover()
+            while mode is not None:
+                try:
+                    yield from life.begin(mode)
+                    break
+                except ClusterGone as e:  # as Lifecycle.program: the cluster it waited for is gone
+                    log.warning("%s: %s; looking for a cluster again", self.id, e)
+                    yield from life.start_over()
+                    mode = yield from life.discover()
+        except BaseException as e:  # the ranks wait for rank 0's start: they end too, and know why
+            self.publish("exit", why=str(e) or type(e).__name__, finished=isinstance(e, ClusterFinished))
+            raise
         if mode is None:
-            self.publish("exit")
+            self.publish("exit", why="stopped before training started")
             return None
         start = yield from self.announce_start(origin)
         self._first, self._started = self.node.step, (yield POLL0)
@@ -373,7 +377,9 @@ class GroupFollow:
         while True:
             if d.kind == "exit":
                 self.exited = True
-                raise PeerError("rank 0 stopped before training started")
+                if d.finished:
+                    raise ClusterFinished(d.why)
+                raise PeerError(f"rank 0 stopped before training started: {d.why or 'stopped'}")
             if d.kind != "start":
                 raise RuntimeError(f"{self.id}: expected rank 0's start, got {d.kind!r}")
             self.starts += 1

@@ -14,7 +14,10 @@ from gossip.core.message import Message
 from gossip.core.state import sha256_of
 from gossip.mixing.base import decode_payload
 from gossip.mixing.settings import MixingSettings
+from gossip.protocol.errors import PeerError
 from gossip.protocol.group import DECISIONS, HELD, Decision, News, ShardFollower, group_of, rank_address
+from gossip.protocol.joining import ClusterFinished
+from gossip.protocol.ranks import GroupFollow, GroupLead
 from gossip.transport import wire
 
 A, B, C = "127.0.0.1:7000", "127.0.0.1:7100", "127.0.0.1:7200"  # member ids: each group's rank 0
@@ -33,6 +36,8 @@ def test_a_decision_survives_json_with_every_field() -> None:
     assert back.members == (A, B, C) and isinstance(back.members, tuple)  # lists come back as tuples
     assert json.loads(text)["donor"] == B and Decision.from_json(text.encode()) == d  # bytes, as the store gives
     assert Decision.from_json(Decision(1, "exit").to_json()) == Decision(1, "exit")  # the defaults too
+    stop = Decision(2, "exit", why="every member of the cluster it joins has finished training (x:1)", finished=True)
+    assert Decision.from_json(stop.to_json()) == stop
     assert set(DECISIONS) == {"start", "go", "round", "stop", "life", "serve", "exit"}
 
 
@@ -44,6 +49,8 @@ def test_a_decision_survives_json_with_every_field() -> None:
     ('{"seq": 1, "kind": "round", "step": true}', "decision step must be a non-negative integer, got True"),
     ('{"seq": 1, "kind": "start", "world": "3"}', "decision world must be a non-negative integer, got '3'"),
     ('{"seq": 1, "kind": "start", "origin": "now"}', "decision origin must be a number, got 'now'"),
+    ('{"seq": 1, "kind": "exit", "finished": "yes"}', "decision why must be text and finished true or false"),
+    ('{"seq": 1, "kind": "exit", "why": 3}', "decision why must be text and finished true or false, got 3"),
     ('{"seq": 1, "kind": "round", "bogus": 1}', "a decision has unknown fields: ['bogus']"),
     ('{"seq": 1, "kind": "round", "members": "abc"}', "decision members must be a list of strings"),
     ('{"seq": 1, "kind": "round", "members": ["a:1", 2]}', "decision members must be a list of strings"),
@@ -386,3 +393,60 @@ def test_the_examples_in_the_docstrings_hold() -> None:
 
     result = doctest.testmod(gossip.protocol.group)
     assert result.attempted >= 2 and result.failed == 0
+
+
+class _Link:
+    """The group's channel as a dict (the programs never block on it)."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[int, Decision] = {}
+
+    def publish(self, d: Decision) -> None:
+        self.decisions[d.seq] = d
+
+    def next(self, seq: int, timeout: float) -> Decision | None:
+        return self.decisions.get(seq)
+
+    def news(self) -> News:
+        return News()
+
+
+class _Life:
+    """Rank 0's lifecycle, as far as GroupLead.start sees it: discovery raises ``error``."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.id, self.on_node, self.error = A, None, error
+
+    def discover(self):
+        raise self.error
+        yield  # (a program)
+
+
+def _run(program):
+    """Drive a sans-IO program whose every wait is answered at once; returns its value."""
+    try:
+        action = next(program)
+        while True:
+            action = program.send(0.0)
+    except StopIteration as stop:
+        return stop.value
+
+
+@pytest.mark.parametrize("error, finished", [
+    (ClusterFinished("every member of the cluster it joins has finished training (127.0.0.1:7100)"), True),
+    (PeerError("the running cluster did not schedule our join (no answer to hello)"), False),
+])
+def test_rank_0_stopped_before_its_start_tells_the_other_ranks_why(error, finished) -> None:
+    """Ranks 1..K-1 wait for rank 0's start: when rank 0's discovery ends in an error, its exit
+    decision carries the reason, so every rank ends with rank 0's finding (a cluster that
+    finished: gossip-node exits 0 on every rank) instead of waiting for a start that never comes."""
+    link = _Link()
+    lead = GroupLead(_Life(error), 2, link, shard=torch.zeros(N))
+    with pytest.raises(type(error)):
+        _run(lead.start())
+    assert link.decisions == {1: Decision(1, "exit", why=str(error), finished=finished)}
+    follow = GroupFollow(_follower(A, 0.0), link, send=lambda dst, msg: None)
+    with pytest.raises(ClusterFinished if finished else PeerError) as raised:
+        _run(follow.start())
+    assert isinstance(raised.value, ClusterFinished) == finished
+    assert str(error) in str(raised.value) and follow.exited
