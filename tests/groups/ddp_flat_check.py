@@ -6,6 +6,7 @@ tests/groups/test_user_loop_real.py)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,9 @@ def main() -> None:
             out[f"{variant}/{bucket_view}"] = {"params_as_plain": torch.equal(got[:n], plain[:n]),
                                                "buffers_as_plain": torch.equal(got[n:], plain[n:]),
                                                "params_equal_on_ranks": all(torch.equal(e[:n], got[:n]) for e in every)}
-    print(json.dumps({"rank": dist.get_rank(), **out}), flush=True)
+    # one write per line: both ranks' stdout is torchrun's, one file (print writes the newline apart)
+    sys.stdout.write(json.dumps({"rank": dist.get_rank(), **out}) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
