@@ -31,12 +31,18 @@ unnoticed.
 each process is one rank of a group member (docs/GROUPS.md), with the same one argument:
 
 - the strategy starts the process group if the script did not (gloo on CPU, NCCL on CUDA,
-  Lightning's ``_init_dist_connection``), wraps the LightningModule in
-  ``DistributedDataParallel`` when fitting, as Lightning's ``DDPStrategy`` does (its
-  forward redirection and ``prepare_for_backward`` included), and then makes the node on
-  every rank: :class:`gossip.GossipNode` over the wrapped model is a
+  Lightning's ``_init_dist_connection``), and when fitting, with ``intra="ddp"`` (the
+  default) wraps the LightningModule in ``DistributedDataParallel``, as Lightning's
+  ``DDPStrategy`` does (its forward redirection and ``prepare_for_backward`` included);
+  with ``intra="fsdp"`` shards it with FSDP2's ``fully_shard`` over a 1-D mesh of the
+  group, as :meth:`gossip.groups.group.Group.wrap` does (each direct child with
+  parameters, then the LightningModule itself, in place; what ``configure_model`` sharded
+  already is kept), and sends ``training_step`` (and the validation, test and predict
+  steps) through the root module's forward, so FSDP's root hooks run. Then it makes the
+  node on every rank: :class:`gossip.GossipNode` over the wrapped model is a
   :class:`~gossip.groups.user_loop.GroupNode` (rank 0 runs the member's protocol, rank r
-  gossips slice r of the replica with rank r of the other groups);
+  gossips slice r of the replica, or its FSDP shards, with rank r of the other groups).
+  Lightning's ``configure_optimizers`` runs after that, over the sharded parameters;
 - ``global_rank`` / ``world_size`` (and the sampler's arguments) are ``m*K + r`` of ``M*K``
   for rank r of the member with shard m: the K ranks of every member read disjoint data;
 - ``reduce`` (``sync_dist``), ``all_gather``, ``barrier`` and ``reduce_boolean_decision``
@@ -44,11 +50,14 @@ each process is one rank of a group member (docs/GROUPS.md), with the same one a
   (:mod:`gossip.groups.collectives`); ``broadcast`` is rank 0's object inside the group;
   before training starts they stay inside the group (a joining group has no partners yet);
 - ``trainer.is_global_zero`` holds on rank 0 of the first member only: Lightning's
-  checkpoints (a full state dict: DDP's replica) are written by that one process.
+  checkpoints are written by that one process, a full state dict either way (DDP's
+  replica; under FSDP the model and optimizer state gathered from the shards, in the
+  checkpoint dump Lightning makes on every rank, so the gathering cannot wait for a rank
+  that does not save; the file is a plain Lightning checkpoint). A ``ckpt_path`` loads
+  the model before sharding and the optimizer state into the shards.
 
-``intra="fsdp"`` is refused (see :data:`FSDP_REFUSED`); the schedulers stay each group's
-own (a group hands a joiner its parameters only). Call ``trainer.strategy.node.close()``
-on every rank at the end (before ``destroy_process_group``).
+The schedulers stay each group's own (a group hands a joiner its parameters only). Call
+``trainer.strategy.node.close()`` on every rank at the end (before ``destroy_process_group``).
 """
 
 from __future__ import annotations
@@ -66,9 +75,11 @@ try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
     from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+    from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
     from lightning.pytorch.strategies import ParallelStrategy
     from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.data import _update_dataloader
 except ImportError as e:  # pragma: no cover - the optional extra
@@ -81,13 +92,7 @@ from gossip.groups.user_loop import GroupNode  # (GossipNode's form on each rank
 from gossip.peer.user_loop import GossipNode, distributed_world, init
 from gossip.training.sampler import ShardSampler, sampler_of
 
-__all__ = ["GossipStrategy", "GossipCallback", "FSDP_REFUSED"]
-
-#: why ``GossipStrategy(intra="fsdp")`` is an error
-FSDP_REFUSED = ("intra='fsdp' is not supported by GossipStrategy yet: Lightning's fully_shard path "
-                "(ModelParallelStrategy) has the LightningModule shard itself in configure_model and saves "
-                "distributed checkpoints, which this strategy does not carry over; use intra='ddp', or fully_shard "
-                "the model in a training loop of your own with gossip.GossipNode (examples/torchrun_own_loop.py)")
+__all__ = ["GossipStrategy", "GossipCallback"]
 
 log = logging.getLogger("gossip.integrations.lightning")
 
@@ -155,8 +160,9 @@ class GossipStrategy(ParallelStrategy):
         keywords only (the node is made after the model is wrapped)
     device : where the model trains (``"cpu"``, ``"cuda:0"``; under torchrun ``"cuda"`` is
         ``cuda:LOCAL_RANK``)
-    intra : under torchrun, how the group trains inside: ``"ddp"`` (``"fsdp"``: see
-        :data:`FSDP_REFUSED`)
+    intra : under torchrun, how the group trains inside: ``"ddp"`` (a replica per rank) or
+        ``"fsdp"`` (FSDP2's ``fully_shard``: each rank holds a shard of the parameters,
+        gradients and optimizer state)
     ddp : under torchrun, keywords for ``DistributedDataParallel`` (``find_unused_parameters``, ...)
     timeout : under torchrun, the process group's collective timeout, when the strategy starts it
     """
@@ -168,8 +174,6 @@ class GossipStrategy(ParallelStrategy):
                  **kwargs: Any) -> None:
         if intra not in ("ddp", "fsdp"):
             raise ValueError(f"intra must be one of ddp, fsdp, got {intra!r}")
-        if intra == "fsdp":
-            raise ValueError(FSDP_REFUSED)
         if ddp is not None and not isinstance(ddp, dict):
             raise ValueError(f"ddp must be a dict of DistributedDataParallel's keywords, got {type(ddp).__name__}")
         if gossip is not None and not isinstance(gossip, (GossipNode, dict)):
@@ -177,9 +181,15 @@ class GossipStrategy(ParallelStrategy):
                              f"got {type(gossip).__name__}")
         # a rank of a group member: torchrun started this process in a world of more than one
         self.in_group = distributed_world() > 1
+        if intra == "fsdp" and not self.in_group:
+            raise ValueError("intra='fsdp' shards the model over the ranks of a group: start the script with "
+                             "torchrun --nproc-per-node K (K > 1; WORLD_SIZE is not set above 1 here)")
+        if intra == "fsdp" and ddp is not None:
+            raise ValueError("ddp= holds DistributedDataParallel's options, which intra='fsdp' does not use")
         if self.in_group and isinstance(gossip, GossipNode):
-            raise ValueError("under torchrun GossipStrategy wraps the model in DistributedDataParallel and makes the "
-                             "node on every rank after that: give gossip= as a dict of GossipNode's options")
+            raise ValueError("under torchrun GossipStrategy wraps the model (DistributedDataParallel or fully_shard) "
+                             "and makes the node on every rank after that: give gossip= as a dict of GossipNode's "
+                             "options")
         dev = torch.device(device)
         if self.in_group and dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -188,9 +198,13 @@ class GossipStrategy(ParallelStrategy):
         self._options = dict(gossip) if isinstance(gossip, dict) else {}
         self._device = dev
         self._ddp_kwargs = dict(ddp or {})
+        self.intra = intra
         self._timeout = timeout
         if self.in_group:
-            self._forward_redirection = _DDPForwardRedirection()  # (manual optimisation, as DDPStrategy)
+            # training_step and the others go through the wrapper's forward: DDP's hooks (and
+            # prepare_for_backward for manual optimisation, as DDPStrategy), or the root FSDP
+            # module's (its lazy init, unsharding its own parameters, the post-backward callback)
+            self._forward_redirection = _DDPForwardRedirection() if intra == "ddp" else _ForwardRedirection()
         self._shard: tuple[int, int] | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, batches done) a joiner's loader leaves out
         # collectives from the start of training on: before it, a node joining a running cluster
@@ -267,25 +281,119 @@ class GossipStrategy(ParallelStrategy):
             _init_dist_connection(self.cluster_environment, backend, **kwargs)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Under torchrun, when fitting: the module in DDP, then the group's node over it (every
-        rank blocks here until the group trains: rank 0 finds the cluster)."""
+        """Under torchrun, when fitting: the module in DDP, or sharded with ``fully_shard``,
+        then the group's node over it (every rank blocks here until the group trains: rank 0
+        finds the cluster). Lightning calls ``configure_optimizers`` after this, so the
+        optimizer is built over the sharded parameters."""
         if not self.in_group:
             return model
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
-            _sync_module_states(model)  # (no gradients to reduce: the group's ranks alike, as DDPStrategy)
+            if not _is_sharded(model):  # (sharded by an earlier fit: it stays so, each rank its shard)
+                _sync_module_states(model)  # (no gradients to reduce: the group's ranks alike, as DDPStrategy)
             return model
-        ids = [self._device.index] if self._device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=ids, **self._ddp_kwargs)
+        if self.intra == "fsdp":
+            wrapped = self._fully_shard(model)
+        else:
+            ids = [self._device.index] if self._device.type == "cuda" else None
+            wrapped = DistributedDataParallel(model, device_ids=ids, **self._ddp_kwargs)
         if self.node is None:
             self.node = GossipNode(wrapped, None, **{"handle_signals": False, **self._options})
             assert isinstance(self.node, GroupNode)
             self._shard = self.node.fixed_shard()
         return wrapped
 
+    def _fully_shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2 over a 1-D mesh of the whole group, as :meth:`gossip.groups.group.Group.wrap`
+        shards: each direct child with parameters, then the root (the LightningModule itself,
+        in place: its parameter names stay). What ``configure_model`` sharded already is kept
+        (a child that is an FSDP module is left as it is; fully_shard of a parent takes only
+        the parameters no nested one manages); a module sharded whole there is taken as it is."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(model, FSDPModule):
+            return model
+        mesh = init_device_mesh(self._device.type, (dist.get_world_size(),))
+        for child in model.children():
+            if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    # -- the steps: through the root FSDP module's forward -------------------------------------
+    # (fully_shard changes the LightningModule in place, so self.model is the LightningModule
+    # and Lightning would call training_step directly: the root's hooks would never run, and a
+    # child's forward would take the root's part)
+    def _redirect(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        with context():
+            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not _is_sharded(self.model):
+            return super().training_step(*args, **kwargs)
+        return self._redirect("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not _is_sharded(self.model):
+            return super().validation_step(*args, **kwargs)
+        return self._redirect("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not _is_sharded(self.model):
+            return super().test_step(*args, **kwargs)
+        return self._redirect("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not _is_sharded(self.model):
+            return super().predict_step(*args, **kwargs)
+        return self._redirect("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    # -- checkpoints of a sharded module: full state dicts, gathered on every rank ------------
+    # Lightning dumps a checkpoint on every rank (trainer.save_checkpoint, ModelCheckpoint) and
+    # only is_global_zero writes it; the gathering below is a collective inside the group, so it
+    # happens here, in the dump every rank makes, never in the write one rank makes. Rank 0 of
+    # each group gets the whole state (cpu_offload: the others an empty dict); the first
+    # member's writes it. The file is a plain Lightning checkpoint (names as without FSDP,
+    # optimizer state keyed by parameter index), loadable without FSDP.
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not _is_sharded(self.model):
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not _is_sharded(self.model):
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        state = get_optimizer_state_dict(self.model, optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if state:  # (rank 0 of the group) by parameter index, as an unsharded optimizer's
+            state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+        return state
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """A full optimizer state (every rank read the file: ``ckpt_path``) into the sharded
+        optimizer, each rank taking its part (a collective, as Lightning loads on every rank)."""
+        if not _is_sharded(self.model):
+            return super().load_optimizer_state_dict(checkpoint)
+        from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if isinstance(optimizer, LightningOptimizer):
+                optimizer = optimizer._optimizer
+            set_optimizer_state_dict(self.model, optimizer, _rekey_optimizer_state_if_needed(state, self.model),
+                                     options=StateDictOptions(full_state_dict=True))
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
@@ -372,9 +480,10 @@ class GossipStrategy(ParallelStrategy):
         # (ParallelStrategy's own teardown asks a cluster environment, which gossip has none of)
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module  # (DDP's wrapper goes, as DDPStrategy's teardown does)
-        if self.in_group and self.node is not None and self._device.type != "cpu":
+        if self.in_group and self.node is not None and (self._device.type != "cpu" or _is_sharded(self.model)):
             # Strategy.teardown would move the module to the CPU, out of the shard the group's
-            # node gossips until node.close() (which checks that the parameters are still there)
+            # node gossips until node.close() (which checks that the parameters are still there);
+            # a sharded module stays where its shards are
             self.precision_plugin.teardown()
             self.accelerator.teardown()
             self.checkpoint_io.teardown()
@@ -383,6 +492,13 @@ class GossipStrategy(ParallelStrategy):
 
 
 builtins_all = all
+
+
+def _is_sharded(model: Any) -> bool:
+    """The module is FSDP2's (``fully_shard``): its parameters are this rank's shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 class GossipCallback(pl.Callback):

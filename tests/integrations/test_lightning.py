@@ -145,14 +145,14 @@ def test_a_lightning_node_killed_and_restarted_continues_at_the_clusters_step(tm
 
 
 def test_the_strategy_knows_a_torchrun_rank_and_refuses_what_it_cannot_do_naming_why(monkeypatch):
-    from gossip.integrations.lightning import FSDP_REFUSED, GossipStrategy
+    from gossip.integrations.lightning import GossipStrategy
     from gossip.peer.user_loop import GossipNode
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match="intra='fsdp' shards the model over the ranks of a group: start the script "
+                                         "with torchrun"):
         GossipStrategy(intra="fsdp")
-    assert str(e.value) == FSDP_REFUSED and "intra='ddp'" in FSDP_REFUSED
     with pytest.raises(ValueError, match="intra must be one of ddp, fsdp, got 'zero'"):
         GossipStrategy(intra="zero")
     with pytest.raises(ValueError, match="ddp must be a dict"):
@@ -169,14 +169,20 @@ def test_the_strategy_knows_a_torchrun_rank_and_refuses_what_it_cannot_do_naming
     assert rank.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
     with pytest.raises(ValueError, match="give gossip= as a dict of GossipNode's options"):
         GossipStrategy(gossip=object.__new__(GossipNode))
+    with pytest.raises(ValueError, match="ddp= holds DistributedDataParallel's options"):
+        GossipStrategy(intra="fsdp", ddp={})
+    assert GossipStrategy(intra="fsdp").intra == "fsdp"
 
 
 TORCHRUN_SCRIPT = SCRIPTS / "lightning_torchrun.py"
 
 
-def test_two_groups_under_torchrun_shard_over_every_rank_agree_on_sync_dist_and_one_rank_saves(tmp_path):
+@pytest.mark.parametrize("intra", ["ddp", "fsdp"])
+def test_two_groups_under_torchrun_shard_over_every_rank_agree_on_sync_dist_and_one_rank_saves(tmp_path, intra):
     """Two groups of 2 ranks (torchrun, gloo), each rank running the Lightning script with
-    GossipStrategy, which wraps the module in DDP: both train 12 steps; the 4 ranks read
+    GossipStrategy(intra=...), which wraps the module in DDP or shards it with fully_shard
+    (then every rank holds half of each layer, and the checkpoint is gathered from the
+    shards on every rank and written by one): both train 12 steps; the 4 ranks read
     disjoint quarters of the data in each epoch (rank r of member m: shard 2m + r);
     sync_dist metrics are the same floats on every rank (the mean of the ranks' shard
     indices, the sum of their sample counts); node.average is the exact weighted mean; one
@@ -187,8 +193,9 @@ def test_two_groups_under_torchrun_shard_over_every_rank_agree_on_sync_dist_and_
 
     pa, pb = (free_ports(2, consecutive=True)[0] for _ in range(2))
     with Cluster(tmp_path) as c:
-        procs = {name: c.start(name, ["--out", str(tmp_path / name), "--dir", str(tmp_path / f"d{name}")], port=port,
-                               script=TORCHRUN_SCRIPT, torchrun=2, env={"GOSSIP_PEERS": f"127.0.0.1:{other}"})
+        procs = {name: c.start(name, ["--out", str(tmp_path / name), "--dir", str(tmp_path / f"d{name}"), "--intra",
+                                      intra], port=port, script=TORCHRUN_SCRIPT, torchrun=2,
+                               env={"GOSSIP_PEERS": f"127.0.0.1:{other}"})
                  for name, port, other in (("a", pa, pb), ("b", pb, pa))}
         for x in procs.values():
             assert x.wait(400) == 0 and "Traceback" not in x.log(), x.log()[-3000:]
@@ -216,9 +223,15 @@ def test_two_groups_under_torchrun_shard_over_every_rank_agree_on_sync_dist_and_
     assert "final.ckpt" in written[(first, 0)] and any(n.startswith("epoch=1-step=12") for n in written[(first, 0)])
     flats = {k: torch.load(tmp_path / k[0] / f"flat-{k[1]}.pt") for k in ranks}
     for name in "ab":
-        assert torch.equal(flats[(name, 0)], flats[(name, 1)])  # DDP: the ranks of a group alike
+        assert torch.equal(flats[(name, 0)], flats[(name, 1)])  # (DDP's replicas alike; FSDP's gathered alike)
     assert (flats[("a", 0)] - flats[("b", 0)]).abs().max() < 1e-6  # the last step's exchange: the average
-    state = torch.load(tmp_path / f"d{first}" / "rank-0" / "final.ckpt", weights_only=False)["state_dict"]
+    ckpt = torch.load(tmp_path / f"d{first}" / "rank-0" / "final.ckpt", weights_only=False)
+    state = ckpt["state_dict"]
+    # the optimizer's state as an unsharded optimizer's: by parameter index, whole momentum buffers
+    momenta = {i: tuple(v["momentum_buffer"].shape) for i, v in ckpt["optimizer_states"][0]["state"].items()}
+    assert momenta == {0: (16, 8), 1: (16,), 2: (2, 16), 3: (2,)}, momenta
     assert sorted(state) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"], sorted(state)
+    # (under FSDP: whole tensors gathered from both ranks' shards, not one rank's DTensor shards)
+    assert all(type(v) is torch.Tensor for v in state.values()), {k: type(v) for k, v in state.items()}
     assert torch.equal(torch.cat([state[k].reshape(-1) for k in ("net.0.weight", "net.0.bias", "net.2.weight",
                                                                  "net.2.bias")]), flats[(first, 0)])
