@@ -61,7 +61,7 @@ class NodeProc:
             if group > 1:
                 cmd += ["--nproc-per-node", str(group)]
         self.proc: subprocess.Popen | forkserver.ForkedProc
-        if group == 1 and forkserver.enabled():  # a process of its own, without paying torch's imports again
+        if not torchrun and forkserver.enabled():  # a process of its own, without paying torch's imports again
             self.proc = forkserver.spawn(cmd[2 if script is not None else 3:], script=str(script) if script else None,
                                          env=env, cwd=root, out=self.out, err=self.err)
         else:

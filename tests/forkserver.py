@@ -12,8 +12,9 @@ fresh process would seed from the OS (Python's and NumPy's), and runs ``gossip-n
 (``-N`` for a signal). The server forks before any torch computation, thread or
 ZeroMQ context exists in it, so the children start from a clean single-threaded state.
 
-``GOSSIP_TEST_FORK=0`` starts every node from scratch instead (``subprocess.Popen``);
-groups (torchrun's launcher) are always started from scratch.
+``GOSSIP_TEST_FORK=0`` starts every node from scratch instead (``subprocess.Popen``).
+A group's ``gossip-node --nproc-per-node K`` is forked too, but its ranks are the
+launcher's own fresh processes, as are those of a script under ``torch.distributed.run``.
 """
 
 from __future__ import annotations
