@@ -127,8 +127,11 @@ class _Server:
                 return self._started.pop(0)
 
     def exit_of(self, pid: int, timeout: float | None) -> int | None:
+        """``pid``'s exit status once the server reaped it; None while it runs after ``timeout``."""
         with self._cond:
             self._cond.wait_for(lambda: pid in self._exits or self._dead, timeout=timeout)
+            if pid not in self._exits and self._dead:  # its nodes died with it (their death signal)
+                raise RuntimeError(f"the tests' fork server ended while node {pid} ran")
             return self._exits.get(pid)
 
 
