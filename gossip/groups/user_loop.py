@@ -30,11 +30,9 @@ see :data:`GROUP_REFUSED` and :data:`NOT_FOR_GROUPS`.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -186,11 +184,7 @@ class GroupNode(GossipNode):
             member.peer.report.last_eval = self.steps
         if optimizer is not None:
             self.attach(optimizer)
-        if handle_signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
-                    self._handlers[sig] = signal.signal(sig, self._on_signal)
-        atexit.register(self._at_exit)
+        self._take_signals(handle_signals)
         log.info("%s rank %d of %d (%s): training from step %d on data shard %d of %d", cfg.node_id, r, k, intra,
                  self.start_step, *self._shard)
 
@@ -403,11 +397,7 @@ class GroupNode(GossipNode):
         if self._closed:
             return self._summary or {}
         self._closed = True
-        for h in self._hooks:
-            h.remove()
-        for sig, old in self._handlers.items():
-            with contextlib.suppress(ValueError):
-                signal.signal(sig, old)
+        self._let_go()
         member = self.member
         try:
             member.complete_pending()

@@ -350,11 +350,7 @@ class GossipNode:
             self.peer.report.last_eval = self.steps
         if optimizer is not None or schedulers:
             self.attach(optimizer, scheduler=schedulers or None)
-        if handle_signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
-                    self._handlers[sig] = signal.signal(sig, self._on_signal)
-        atexit.register(self._at_exit)
+        self._take_signals(handle_signals)
         if self.start_step:
             log.info("%s: continuing at step %d", self.peer.id, self.start_step)
 
@@ -776,11 +772,7 @@ class GossipNode:
         if self._closed:
             return self._summary or {}
         self._closed = True
-        for h in self._hooks:
-            h.remove()
-        for sig, old in self._handlers.items():
-            with contextlib.suppress(ValueError):
-                signal.signal(sig, old)
+        self._let_go()
         peer = self.peer
         try:
             peer.complete_pending()
@@ -803,6 +795,23 @@ class GossipNode:
             return summary
         finally:
             peer.close()
+
+    def _take_signals(self, handle_signals: bool) -> None:
+        """SIGTERM and Ctrl+C stop at the next step (when the user left them at their defaults),
+        and the interpreter's exit closes the node."""
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+                    self._handlers[sig] = signal.signal(sig, self._on_signal)
+        atexit.register(self._at_exit)
+
+    def _let_go(self) -> None:
+        """At the end: the optimizer's step hooks off, the signals back to the user's handlers."""
+        for h in self._hooks:
+            h.remove()
+        for sig, old in self._handlers.items():
+            with contextlib.suppress(ValueError):
+                signal.signal(sig, old)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._signal is not None:  # a second one: stop now
