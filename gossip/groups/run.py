@@ -93,6 +93,8 @@ def _run(cfg: PeerConfig, group: Group, on_leader: Any) -> dict[str, Any]:
                 member.resumed = (str(path), resumed)
     loss = math.nan
     with member:
+        member.listen()
+        group.barrier()  # every rank listens before rank 0 says hello: a joiner's ranks are all there
         start = member.start()
         stream = task.stream(start.rank * k + r, start.world * k, cfg.split, cfg.seed, group.device)
         if resumed is not None and member.node.step <= resumed["step"] and not member.joined:
@@ -173,6 +175,7 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
         on_leader(leader)
     followers = [GroupFollower(cfg, r, views[r].flat, views[r].fingerprint, link.rank(r)) for r in range(1, k)]
     ranks: list[GroupLeader | GroupFollower] = [leader, *followers]
+    listening = threading.Barrier(k)  # every slice listens before slice 0 says hello
     step_ready = threading.Barrier(k)  # the process's step is done: every slice's exchange may run
     step_mixed = threading.Barrier(k)  # every slice mixed: the next step may run
     done = threading.Event()  # set by the main thread, between two steps, when training ends
@@ -181,6 +184,8 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
     def follow(member: GroupFollower) -> None:
         try:
             with member:
+                member.listen()
+                listening.wait()
                 member.start()
                 step = member.node.step
                 while True:
@@ -197,8 +202,8 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
             pass
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
-            step_ready.abort()
-            step_mixed.abort()
+            for barrier in (listening, step_ready, step_mixed):
+                barrier.abort()
 
     threads = [threading.Thread(target=follow, args=(f,), name=f"slice-{f.rank}", daemon=True) for f in followers]
     for t in threads:
@@ -206,6 +211,8 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
     loss = math.nan
     try:
         with leader:
+            leader.listen()
+            listening.wait()
             start = leader.start()
             streams = [task.stream(start.rank * k + r, start.world * k, cfg.split, cfg.seed, device)
                        for r in range(k)]  # this member's share of the data: K ranks' streams
@@ -247,8 +254,8 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
     except threading.BrokenBarrierError:
         raise errors[0] if errors else RuntimeError("a slice thread stopped") from None
     except BaseException:
-        step_ready.abort()
-        step_mixed.abort()
+        for barrier in (listening, step_ready, step_mixed):
+            barrier.abort()
         raise
     summary.update(loss=loss, intra="slices", group_size=k, rank=0, device=str(device))
     return summary

@@ -157,6 +157,8 @@ class GroupNode(GossipNode):
                 if isinstance(member, GroupLeader):
                     member.life.resume_step = resumed["step"]
                     member.resumed = (str(path), resumed)
+            member.listen()
+            group.barrier()  # every rank listens before rank 0 says hello: a joiner's ranks are all there
             try:
                 start = member.start()  # (rank 0 stopping first tells the other ranks why)
             except joining.ClusterFinished as e:

@@ -100,9 +100,15 @@ class GroupLeader:
     def node(self) -> Any:
         return self.peer.node
 
+    def listen(self) -> None:
+        """Bind this rank's socket (before rank 0 says hello anywhere, every rank listens:
+        see :func:`gossip.groups.run.run_group`)."""
+        if not self.peer.transport.listening:
+            self.peer.transport.start()
+
     def start(self) -> Start:
         """Find the cluster and start (or join) it; every rank then starts alike."""
-        self.peer.transport.start()
+        self.listen()
         log.info("%s: rank 0 of a group of %d: listening (incarnation %d, model %s)", self.id, self.size,
                  self.peer.incarnation, self.peer.fingerprint)
         self.peer.report.open(self.cfg.log, self.cfg.tensorboard)
@@ -260,8 +266,13 @@ class GroupFollower:
                 frames = encoded[id(msg)] = wire.encode(msg)
             self.transport.send(dst, frames)
 
+    def listen(self) -> None:
+        """Bind this rank's socket (see :meth:`GroupLeader.listen`)."""
+        if not self.transport.listening:
+            self.transport.start()
+
     def start(self) -> Start:
-        self.transport.start()
+        self.listen()
         return self._run(self.follow.start())
 
     def step(self, step: int) -> bool:

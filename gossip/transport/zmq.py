@@ -61,7 +61,7 @@ def _nbytes(frame: Any) -> int:
     return memoryview(frame).nbytes
 
 
-MAX_HELD = 64  # control messages held per peer while its connection comes up
+MAX_HELD = 64  # messages held per peer while its connection comes up
 HOLD_POLL = 0.01  # seconds between tries to send them
 
 # ROUTER connection events worth counting: how connections end, and handshakes that fail
@@ -88,11 +88,16 @@ class ZmqTransport:
         ``check(routing_id, frame) -> reason | None`` and ``close()``, see :mod:`gossip.transport.security`
     io_threads : libzmq I/O threads; one thread tops out well below loopback or
         10 GbE speed on large messages, two roughly double it
-    hold_control : seconds a control message (``droppable=False``) waits for its
-        connection to come up before it is dropped. A connection opened just now
-        (a new member, one that came back) takes a moment; ZeroMQ's IMMEDIATE
-        option would otherwise drop the first messages, such as the member list
-        that tells a node it was dropped. State messages are never held.
+    hold_control : seconds a message waits for its connection to come up before it
+        is dropped: a control message (``droppable=False``) on any connection, a
+        state message only on a connection opened less than this long ago. A
+        connection opened just now (a new member, a new life of one, rank r of a
+        group that joins) takes a moment, and its peer may be binding its socket
+        still; ZeroMQ's IMMEDIATE option would otherwise drop the first messages,
+        such as the member list that tells a node it was dropped, or the state of
+        the round that admits a joiner (which would then wait that round out).
+        A state message on an older connection that is down is dropped at once:
+        the next round's replaces it.
     shaper : optional link emulator with ``transmit(src, dst, nbytes, now, droppable=)``
         (a :class:`~gossip.transport.links.SimNetwork`): each message leaves when it
         says (delay, bandwidth cap) or is dropped (loss). Off by default; for tests
@@ -122,7 +127,8 @@ class ZmqTransport:
         self.shaper = shaper
         self._delayed: list[tuple[float, int, str, Any, bool]] = []  # (release, seq, dst, frames, droppable)
         self.hold_control = hold_control
-        self._held: dict[str, list[tuple[float, list]]] = {}  # dst -> control messages waiting for a connection
+        self._held: dict[str, list[tuple[float, list]]] = {}  # dst -> messages waiting for a connection
+        self._opened: dict[str, float] = {}  # dst -> when its connection was opened (clock)
         self._delay_seq = 0
         self.emulated_losses = 0
         self._out: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -172,6 +178,11 @@ class ZmqTransport:
         self._thread = threading.Thread(target=self._loop, args=(router, wake_recv, monitor),
                                         name=f"io-{self.node_id}", daemon=True)
         self._thread.start()
+
+    @property
+    def listening(self) -> bool:
+        """Whether :meth:`start` bound the socket (and :meth:`close` has not closed it)."""
+        return self._thread is not None
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the I/O thread (after it flushes what is queued) and close every socket."""
@@ -228,7 +239,13 @@ class ZmqTransport:
                 s.close(0)  # e.g. an id that is no endpoint: do not leak a socket per attempt
                 raise
             self._dealers[dst] = s
+            self._opened[dst] = self.clock()
         return s
+
+    def _fresh(self, dst: str, now: float) -> bool:
+        """Whether the connection to ``dst`` is not opened yet or was opened within ``hold_control``."""
+        opened = self._opened.get(dst)
+        return opened is None or now - opened < self.hold_control
 
     def _unnamed(self, ident: bytes, body: list) -> bytes:
         """The id to file a message under when libzmq named its connection itself.
@@ -260,6 +277,7 @@ class ZmqTransport:
                 break
             if frames is None:
                 s = self._dealers.pop(dst, None)
+                self._opened.pop(dst, None)
                 if s is not None:
                     s.close(0)
                 self.dropped[dst] += len(self._held.pop(dst, ()))
@@ -284,8 +302,9 @@ class ZmqTransport:
         self._retry_control(now)
 
     def _send_now(self, dst: str, frames: list, droppable: bool = True, now: float = 0.0) -> None:
+        hold = (not droppable or self._fresh(dst, now)) and self.hold_control > 0
         held = self._held.get(dst)
-        if held is not None and not droppable:
+        if held is not None and hold:
             if len(held) < MAX_HELD:
                 held.append((now + self.hold_control, frames))  # behind the ones already waiting: in order
             else:
@@ -302,8 +321,9 @@ class ZmqTransport:
             self.bytes_sent[dst] += sum(_nbytes(f) for f in frames)
         except zmq.Again:
             # not connected yet (a fresh connection takes a moment), or the peer is not
-            # keeping up: state is dropped (the next round's replaces it), control held a while
-            if droppable or self.hold_control <= 0:
+            # keeping up: control, and anything on a fresh connection, is held a while;
+            # state on an older connection is dropped (the next round's replaces it)
+            if not hold:
                 self.dropped[dst] += 1
             else:
                 self._held[dst] = [(now + self.hold_control, frames)]
@@ -312,7 +332,7 @@ class ZmqTransport:
             log.warning("%s: send to %s failed: %s", self.node_id, dst, e)
 
     def _retry_control(self, now: float) -> None:
-        """Send held control messages once their connection is up; drop expired ones."""
+        """Send held messages once their connection is up; drop expired ones."""
         for dst in list(self._held):
             held = self._held[dst]
             s = self._dealers.get(dst)
@@ -364,7 +384,7 @@ class ZmqTransport:
             while self._running.is_set():
                 wake_at = min(next_tick, self._delayed[0][0]) if self._delayed else next_tick
                 if self._held:
-                    wake_at = min(wake_at, self.clock() + HOLD_POLL)  # held control: the connection may be up
+                    wake_at = min(wake_at, self.clock() + HOLD_POLL)  # held messages: the connection may be up
                 timeout = max(0.0, wake_at - self.clock())
                 events = dict(poller.poll(int(timeout * 1000) + 1))
                 if self._delayed and self._delayed[0][0] <= self.clock():

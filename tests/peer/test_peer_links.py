@@ -140,20 +140,47 @@ def test_async_across_emulated_datacenters_nobody_waits_on_the_slow_link(tmp_pat
     assert max(ratios) >= 0.5, ratios
 
 
-def test_control_messages_wait_for_a_fresh_connection_state_messages_do_not():
-    a, b, got = _pair()
+def test_a_fresh_connection_holds_every_message_until_it_is_up_an_older_one_drops_state():
+    """The first messages on a connection wait for it (a joiner's first round must not be
+    lost to the handshake, nor to a peer still binding its socket), in order; on a
+    connection older than ``hold_control`` that is not up, a state message is dropped at
+    once (the next round's replaces it) while control still waits."""
+    pa, pb, pc = free_port(), free_port(), free_port()
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    skew = [0.0]  # the transport's clock runs ahead of the wall by this much
+    a = ZmqTransport(f"127.0.0.1:{pa}", f"tcp://127.0.0.1:{pa}", on_frames=lambda i, f: None, hold_control=5.0,
+                     clock=lambda: time.monotonic() + skew[0])
+    b_id, gone = f"127.0.0.1:{pb}", f"127.0.0.1:{pc}"
+    a.start()
+    b = None
     try:
-        # nothing sent to b yet: the connection opens with the first send
-        a.send(b.node_id, [b"state-0"])  # dropped (IMMEDIATE) unless loopback connected at once
-        for i in range(3):
-            a.send(b.node_id, [b"ctl-%d" % i], droppable=False)
-        seen = _arrivals(got, expect=3)
-        state = seen[:1] == [b"state-0"]  # the connection was up before the send: it went out
-        assert seen[state:] == [b"ctl-0", b"ctl-1", b"ctl-2"]  # all of them, once each, in order
-        assert a.dropped[b.node_id] == (0 if state else 1)  # a state message is sent or dropped, never held
+        # b is not listening yet: nothing may be dropped while it binds
+        a.send(b_id, [b"state-0"])
+        a.send(b_id, [b"ctl-0"], droppable=False)
+        a.send(b_id, [b"state-1"])
+        time.sleep(0.3)
+        b = ZmqTransport(b_id, f"tcp://{b_id}", on_frames=lambda i, f: got.put((time.monotonic(), bytes(f[0]))))
+        b.start()
+        assert _arrivals(got, expect=3) == [b"state-0", b"ctl-0", b"state-1"]
+        assert a.dropped[b_id] == 0
+        # an address nobody listens on: its connection opened with a control message...
+        a.send(gone, [b"ctl-1"], droppable=False)
+        deadline = time.monotonic() + 30
+        while gone not in a._held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        skew[0] = 10.0  # ... is older than hold_control now: that message expires
+        while a.dropped[gone] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        a.send(gone, [b"state-2"])  # dropped at once, never held
+        a.send(gone, [b"ctl-2"], droppable=False)  # held
+        while a.dropped[gone] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert a.dropped[gone] == 2 and len(a._held.get(gone, ())) == 1
     finally:
         a.close()
-        b.close()
+        if b is not None:
+            b.close()
 
 
 def test_held_control_messages_expire_towards_an_address_nobody_listens_on():
