@@ -61,9 +61,14 @@ class NodeProc:
             if group > 1:
                 cmd += ["--nproc-per-node", str(group)]
         self.proc: subprocess.Popen | forkserver.ForkedProc
-        if not torchrun and forkserver.enabled():  # a process of its own, without paying torch's imports again
-            self.proc = forkserver.spawn(cmd[2 if script is not None else 3:], script=str(script) if script else None,
-                                         env=env, cwd=root, out=self.out, err=self.err)
+        if forkserver.enabled():  # a process of its own, without paying torch's imports again
+            if torchrun:
+                self.proc = forkserver.spawn(cmd[3:], module="torch.distributed.run", env=env, cwd=root,
+                                             out=self.out, err=self.err)
+            else:
+                self.proc = forkserver.spawn(cmd[2 if script is not None else 3:],
+                                             script=str(script) if script else None, env=env, cwd=root,
+                                             out=self.out, err=self.err)
         else:
             self.proc = subprocess.Popen(cmd, stdout=open(self.out, "w"), stderr=open(self.err, "w"), env=env,
                                          cwd=root, start_new_session=True, preexec_fn=_die_with_parent)

@@ -12,9 +12,17 @@ fresh process would seed from the OS (Python's and NumPy's), and runs ``gossip-n
 (``-N`` for a signal). The server forks before any torch computation, thread or
 ZeroMQ context exists in it, so the children start from a clean single-threaded state.
 
-``GOSSIP_TEST_FORK=0`` starts every node from scratch instead (``subprocess.Popen``).
-A group's ``gossip-node --nproc-per-node K`` is forked too, but its ranks are the
-launcher's own fresh processes, as are those of a script under ``torch.distributed.run``.
+A group's launcher (``gossip-node --nproc-per-node K``, or ``torch.distributed.run`` over
+a script) is forked too, and forks its ranks in turn: where torch's elastic launcher
+would start a rank as the command ``python -u -m MODULE ...`` or ``python -u SCRIPT ...``
+(``Popen``, a session of its own), it forks instead, and the child runs the module or
+script as a fresh interpreter would (default signal handlers, no logging configured, no
+exit handlers but its own). Everything else about the launcher is torch's: its
+rendezvous, each rank's environment, its restarts, its signals and its waits; a rank is
+still a process of its own, a child of its launcher.
+
+``GOSSIP_TEST_FORK=0`` starts every node, launcher and rank from scratch instead
+(``subprocess.Popen``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -139,9 +148,11 @@ _server: _Server | None = None
 _server_lock = threading.Lock()
 
 
-def spawn(args: list[str], *, script: str | None, env: dict[str, str], cwd: str, out: Path, err: Path) -> ForkedProc:
-    """Start a node: ``gossip-node`` with ``args``, or ``script`` (run as ``__main__``) with
-    ``args`` as its arguments; stdout and stderr to the files ``out`` and ``err``."""
+def spawn(args: list[str], *, script: str | None = None, module: str | None = None, env: dict[str, str], cwd: str,
+          out: Path, err: Path) -> ForkedProc:
+    """Start a node: ``gossip-node`` with ``args``, or ``script`` or ``module`` (run as
+    ``__main__``) with ``args`` as its arguments; stdout and stderr to the files ``out``
+    and ``err``."""
     global _server
     for path in (out, err):  # there before this returns, as Popen's files are
         open(path, "w").close()
@@ -149,8 +160,9 @@ def spawn(args: list[str], *, script: str | None, env: dict[str, str], cwd: str,
         if _server is None or _server.proc.poll() is not None:
             _server = _Server()
         server = _server
-    pid = server.start({"args": args, "script": script, "env": env, "cwd": cwd, "out": str(out), "err": str(err)})
-    return ForkedProc(server, pid, [script or "gossip-node", *args])
+    pid = server.start({"args": args, "script": script, "module": module, "env": env, "cwd": cwd, "out": str(out),
+                        "err": str(err)})
+    return ForkedProc(server, pid, [script or module or "gossip-node", *args])
 
 
 # -- the server's side --------------------------------------------------------------------
@@ -168,53 +180,121 @@ def _warm() -> None:
 
     # the first optimizer imports torch._dynamo (optimizer methods are wrapped to disable it)
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    _fork_ranks()
 
 
-def _child(request: dict[str, Any], keep: list[int]) -> int:
-    """In the forked child: become the node and run it; returns its exit status."""
-    import atexit
+def _fork_ranks() -> None:
+    """Make torch's elastic launcher, in every child, fork its ranks (see the module's doc)."""
+    import torch.distributed.fsdp  # noqa: F401 - what a group's ranks import
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    handler = subprocess_handler.SubprocessHandler
+    popen = handler._popen
+
+    def _popen(self: Any, args: tuple, env: dict[str, str]) -> Any:
+        if tuple(args[:2]) != (sys.executable, "-u"):
+            return popen(self, args, env)
+        files = [(fd, f.fileno()) for fd, f in ((1, self._stdout), (2, self._stderr)) if f is not None]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setsid()  # as Popen(start_new_session=True)
+                for fd, f in files:
+                    os.dup2(f, fd)
+                os.environ.clear()
+                os.environ.update(env)
+                code = _rank(list(args[2:]))
+            finally:
+                os._exit(code & 0xFF if code >= 0 else 1)
+        return _Child(pid, list(args))
+
+    handler._popen = _popen
+
+
+class _Child:
+    """A rank forked by its launcher: the part of ``subprocess.Popen`` the launcher uses."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _fresh_interpreter() -> None:
+    """In a forked process: the state a new interpreter starts in, as far as a node can tell."""
+    import logging
     import random
-    import runpy
 
-    os.setsid()
-    _die_with_parent()
     signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    for fd in keep:
-        os.close(fd)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    for fd, path in ((1, request["out"]), (2, request["err"])):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
-    sys.stdin = open(0, closefd=False)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.setLevel(logging.WARNING)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)  # as python -u
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    random.seed()  # a fresh process seeds these from the OS: so does each child
+    random.seed()  # a fresh process seeds these from the OS
     try:
         import numpy
 
         numpy.random.seed()
     except ImportError:
         pass
+
+
+def _run_main(args: list[str], script: str | None, module: str | None) -> Any:
+    """Run ``script`` or ``module`` (or ``gossip-node``) as ``__main__`` with ``args``, then the
+    exit handlers it registered; returns its exit status as the interpreter would make it."""
+    import atexit
+    import runpy
+
     code: Any = 0
     try:
-        if request["script"]:
-            script = request["script"]
-            sys.argv = [script, *request["args"]]
+        if script:
+            sys.argv = [script, *args]
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
             runpy.run_path(script, run_name="__main__")
+        elif module:
+            sys.argv = [module, *args]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
             from gossip.cli import node_main
 
-            sys.argv = ["gossip-node", *request["args"]]
+            sys.argv = ["gossip-node", *args]
             code = node_main()
     except SystemExit as e:
         code = e.code
@@ -234,6 +314,40 @@ def _child(request: dict[str, Any], keep: list[int]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
     return code
+
+
+def _rank(argv: list[str]) -> int:
+    """A rank forked by torch's launcher for the command ``python -u ARGV``: ``-m MODULE
+    ARGS`` or ``SCRIPT ARGS``. Returns the exit status the command would have."""
+    import atexit
+
+    atexit._clear()  # the launcher's exit handlers are its own
+    _fresh_interpreter()
+    if argv[:1] == ["-m"]:
+        return _run_main(argv[2:], None, argv[1])
+    return _run_main(argv[1:], argv[0], None)
+
+
+def _child(request: dict[str, Any], keep: list[int]) -> int:
+    """In the forked child: become the node and run it; returns its exit status."""
+    signal.set_wakeup_fd(-1)  # (the server's wake-up pipe is closed below)
+    os.setsid()
+    _die_with_parent()
+    for fd in keep:
+        os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for fd, path in ((1, request["out"]), (2, request["err"])):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdin = open(0, closefd=False)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _fresh_interpreter()
+    return _run_main(request["args"], request["script"], request.get("module"))
 
 
 def serve() -> None:
