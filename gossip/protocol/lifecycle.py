@@ -543,12 +543,22 @@ class Lifecycle:
             if self.stop.is_set() or self.excluded is not None:
                 return now
             with self.lock:
-                alive = self.membership.members
-                if all(e not in alive for e in node.awaited()):
+                if all(self.gone(e, node.round) for e in node.awaited()):
                     return now  # mix without the dead; a live neighbour's message is worth its wait
             now = yield Poll(min(remaining, POLL))
         self.late = 0
         return now
+
+    def gone(self, mid: str, rnd: int) -> bool:
+        """Whether the life of ``mid`` that round ``rnd`` waits for will send nothing more
+        (call with the lock held): it is dead, or the schedule no longer has it train in
+        that round, or it has a new life (a restart at the same address, which may answer
+        every probe before its old life is declared dead)."""
+        m = self.membership.members.get(mid)
+        if m is None or not self.membership.trains_in(mid, rnd):
+            return True
+        life = self.membership.lives.get(mid)
+        return life is not None and m.incarnation != life
 
     def out_of_step(self, awaited: list[str]) -> None:
         """Rounds keep timing out while the neighbours waited for are alive: say so, and

@@ -503,6 +503,11 @@ class Membership:
         self.version += 1
         return True
 
+    def trains_in(self, mid: str, rnd: int) -> bool:
+        """Whether the schedule has ``mid`` train in round ``rnd``."""
+        start = -1 if mid in self.base else self.joins.get(mid)
+        return start is not None and start <= rnd < self.leaves.get(mid, rnd + 1)
+
     def at_round(self, rnd: int) -> list[str]:
         """The ordered members that train in round ``rnd``.
 
@@ -510,11 +515,7 @@ class Membership:
         (its messages are simply missing until then); a joiner appears from its
         announced join round.
         """
-        def active(m: str) -> bool:
-            start = -1 if m in self.base else self.joins.get(m)
-            return start is not None and start <= rnd < self.leaves.get(m, rnd + 1)
-
-        ids = {m for m in self.base if active(m)} | {m for m in self.joins if active(m)}
+        ids = {m for m in self.base if self.trains_in(m, rnd)} | {m for m in self.joins if self.trains_in(m, rnd)}
         return sorted(ids, key=self.order_key)
 
 

@@ -79,7 +79,7 @@ class GroupLead:
         self.seq = 0
         self.starts = 0  # start decisions published (a life's, or a start asked again)
         self.stopped = False
-        self._alive_version = -1
+        self._alive_version: tuple[int, int | None] | None = None  # (member table version, round) last looked at
         self._dead: tuple[str, ...] = ()
         self._known: tuple[tuple[str, int], ...] = ()
         self._mid: list[tuple[int, str, int, int]] = []  # hand-overs in the middle of a round (News)
@@ -108,14 +108,18 @@ class GroupLead:
         longer counts; a rank connects early to a member it has not met)."""
         life = self.life
         with life.lock:
-            version = life.membership.version
+            node = life.node
+            version = (life.membership.version, node.round if node is not None else None)
             if version == self._alive_version:
                 return
             self._alive_version = version
             table = life.membership.members
-            node = life.node
-            self._dead = tuple(m for m in (node.members if node is not None else ()) if m not in table)
-            self._known = tuple((m, x.incarnation) for m, x in sorted(table.items()) if m != self.id)
+            # (a member may be gone for this round and train again from a later one: a new life)
+            dead = tuple(m for m in node.members if life.gone(m, node.round)) if node is not None else ()
+            known = tuple((m, x.incarnation) for m, x in sorted(table.items()) if m != self.id)
+            if (dead, known) == (self._dead, self._known):
+                return
+            self._dead, self._known = dead, known
             news = News(self._dead, tuple(self._mid), self._known)
         self.link.publish_news(news)
 

@@ -101,6 +101,28 @@ def test_a_restarted_node_without_a_checkpoint_joins_with_a_member_state():
     assert all(r["exit"] == "done" and r["steps"] == steps and r["members"] == 4 for r in rs), rs
 
 
+@pytest.mark.parametrize("group", [1, 2])
+def test_a_restart_faster_than_detection_costs_no_member_a_timed_out_round(group):
+    """A member killed and back at the same address 0.2 s later, long before its old life
+    could be declared dead (its new life answers every probe): the rounds that wait for
+    the old life stop waiting as soon as the new life is known, not at the round timeout.
+    With groups, every rank of every other group stops waiting alike."""
+    steps = 800
+    c = SimCluster(4, steps=steps, join_margin=10, group=group)
+    if group == 1:
+        c.crash(2, at=3.0)
+        c.start(2, at=3.2)
+    else:
+        c.crash(2, at=3.0, rank=1, restart_after=0.2)
+    c.run(until=120.0)
+    rs = c.results()
+    assert rs[2]["joined"] and rs[2]["state_from"] is not None, rs[2]
+    assert all(r["exit"] == "done" and r["steps"] == steps and r["members"] == 4 for r in rs), rs
+    assert [r["timed_out_rounds"] for r in rs] == [0, 0, 0, 0], rs
+    if group > 1:
+        assert [ranks[1]["timed_out_rounds"] for ranks in c.rank_results()] == [0, 0, 0, 0]
+
+
 def test_a_stalled_node_declared_dead_joins_again_by_itself():
     """Twin of test_a_paused_node_declared_dead_joins_again_by_itself (SIGSTOP past
     --dead-after, then SIGCONT)."""
