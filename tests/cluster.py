@@ -133,6 +133,25 @@ def wait_for_step(metrics: Path, step: int, timeout: float, since: int = 0) -> d
     raise AssertionError(f"{metrics} did not reach step {step} (after record {since}) in {timeout} s")
 
 
+def run_node(args: list[str], workdir: Path, name: str = "run", timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """``gossip-node ARGS`` run to its end as a process of its own (from the tests' fork
+    server when it runs); its exit status and output."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    if not forkserver.enabled():
+        return subprocess.run([sys.executable, "-c", "import sys; from gossip.cli import node_main; "
+                               "sys.exit(node_main())", *args], capture_output=True, text=True, timeout=timeout,
+                              env=env, cwd=root)
+    out, err = workdir / f"{name}.out", workdir / f"{name}.err"
+    proc = forkserver.spawn(list(args), env=env, cwd=root, out=out, err=err)
+    try:
+        code = proc.wait(timeout)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, code, out.read_text(), err.read_text())
+
+
 class Cluster:
     """Context manager owning a set of node processes."""
 

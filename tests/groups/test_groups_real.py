@@ -17,7 +17,7 @@ from gossip.protocol.membership import topology_for
 from gossip.training.node import init_model
 from gossip.training.tasks import get_task
 from gossip.transport.ports import free_ports
-from tests.cluster import Cluster, records, wait_for_step
+from tests.cluster import Cluster, records, run_node, wait_for_step
 
 SEED = 3
 TASK = "synthetic:hidden=63,classes=5"  # odd rows: FSDP pads the last rank's shards
@@ -287,16 +287,12 @@ def test_sigterm_to_a_group_gives_a_final_sharded_checkpoint_and_a_goodbye(tmp_p
 ])
 def test_bad_input_on_a_group_is_one_line_and_exit_2_before_any_launch(tmp_path, args, needle):
     """Checked in the launching process, once: never a traceback that torchrun would restart."""
-    import subprocess
-    import sys
-
     base = ["--listen", f"tcp://127.0.0.1:{free_ports(2, consecutive=True)[0]}", "--nproc-per-node", "2"]
     if "--nproc-per-node" in args:
         base = base[:2]
     if "--listen" in args:
         base = base[2:]
-    proc = subprocess.run([sys.executable, "-c", "import sys; from gossip.cli import node_main; sys.exit(node_main())",
-                           *base, *args], capture_output=True, text=True, timeout=120)
+    proc = run_node([*base, *args], tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert needle in lines[-1] and lines[-1].startswith("gossip-node: error:"), proc.stderr[-2000:]  # (after argparse's usage)
