@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("lightning", reason="the Lightning integration needs Lightning: pip install '.[lightning]'")
 
 from tests.cluster import free_port  # noqa: E402
-from tests.peer.test_user_scripts import SCRIPTS, ScriptProc, finished, run_cluster  # noqa: E402
+from tests.peer.test_user_scripts import SCRIPTS, ScriptProc, finished, run_cluster, wait_removed  # noqa: E402
 from tests.integrations.test_transformers import wait_all  # noqa: E402
 
 SCRIPT = SCRIPTS / "lightning_script.py"
@@ -114,6 +114,7 @@ def test_a_lightning_node_killed_and_restarted_continues_at_the_clusters_step(tm
             time.sleep(0.05)
         procs[victim].proc.send_signal(signal.SIGKILL)
         procs[victim].proc.wait(timeout=10)
+        wait_removed([p for i, p in enumerate(procs) if i != victim], ports[victim])
         back = start(victim, "back")
         m = back.wait_for(r"Lightning continues at the cluster's step (\d+) \(epoch (\d+), after batch (\d+)\)", 300)
         joined, epoch, done = map(int, m.groups())

@@ -18,7 +18,7 @@ pytest.importorskip("transformers", reason="the Hugging Face integration needs t
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install '.[hf]'")
 
 from tests.cluster import free_port  # noqa: E402
-from tests.peer.test_user_scripts import SCRIPTS, ScriptProc, finished  # noqa: E402
+from tests.peer.test_user_scripts import SCRIPTS, ScriptProc, finished, wait_removed  # noqa: E402
 
 SCRIPT = SCRIPTS / "hf_trainer.py"
 
@@ -113,6 +113,7 @@ def test_a_trainer_killed_and_restarted_with_resume_from_checkpoint_ends_at_the_
         assert list((tmp_path / "out1").glob("checkpoint-*")), procs[1].log()[-3000:]
         procs[1].proc.send_signal(signal.SIGKILL)
         procs[1].proc.wait(timeout=10)
+        wait_removed([procs[0], procs[2]], run.ports[1])
         back = run.start(1, "n1b", resume=True)
         m = back.wait_for(r"the Trainer starts at the cluster's step (\d+) \(its own checkpoint: step (\d+)\)", 300)
         joined, own = int(m.group(1)), int(m.group(2))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import free_port
-from tests.peer.test_user_scripts import SCRIPTS, ScriptProc, finished
+from tests.peer.test_user_scripts import SCRIPTS, ScriptProc, finished, wait_removed
 
 SCRIPT = SCRIPTS / "mnist_restartable.py"
 HANDS = re.compile(r"(\S+): handed its state of step (\d+) to \S+ \(learning rate ([\d.e-]+), "
@@ -108,6 +108,7 @@ def test_a_restarted_node_takes_the_learning_rate_optimizer_state_and_epoch_of_i
                    "n1 finished no epoch", [n1])
         n1.proc.send_signal(signal.SIGKILL)
         n1.proc.wait(timeout=10)
+        wait_removed([n0, n2], run.ports[1])
         back = run.start(1, "n1b")
         resumed = int(back.wait_for(r"continuing at step (\d+)", 240).group(1))
         run.stop_after(max(e for p in (n0, n2) for e, *_ in run.epochs_printed(p)) + 2)

@@ -249,7 +249,10 @@ def test_plain_and_impostor_clients_get_nothing_in(tmp_path):
     assert s["curve"]["identity_refused"] == 20
     assert s["curve"]["handshakes_denied"] >= 1 and s["curve"]["denied_keys"] == [stranger_public.decode()], s
     assert s["curve"]["handshakes_allowed"] >= 1, s  # the impostor's key itself is allowed
-    assert s["connections"].get("handshake-failed-protocol", 0) >= 1, s  # the plain client
+    # the plain client: libzmq reports the mechanism mismatch as a protocol error, or without
+    # detail when the connection ends while it is being refused (either way, no handshake)
+    failed = s["connections"].get("handshake-failed-protocol", 0) + s["connections"].get("handshake-failed", 0)
+    assert failed >= 1, s
     assert s["connections"].get("handshake-failed-auth", 0) >= 1, s      # the stranger
 
 
