@@ -29,6 +29,9 @@ what is explored is the protocol, and its invariants do not depend on the model:
   with the same member list, holding exactly the survivors (checked when the
   last fault is over ``SETTLE_S`` virtual seconds before training ends, the
   bound this check allows the protocol; not for faults around the finish).
+  Survivors that cannot find each other (restarted without a checkpoint, their
+  only seeds dead for good, nobody remembering them) are held to this in the
+  sets that can (``_can_meet``).
 
 A run that breaks one prints its seed; ``--replay SEED`` runs exactly that
 schedule again. The last line is one JSON object: ``runs``, ``violations``,
@@ -262,11 +265,43 @@ def check(c: SimCluster, settles: bool = True) -> list[str]:
             out.append(f"{r['node']}: did not finish (exit {r['exit']}, step {r['steps']} of {STEPS})")
     if c.group > 1:
         out.extend(check_ranks(c))
-    ids = sorted(r["node"] for r in survivors)
-    views = {tuple(sorted(r["member_ids"])) for r in survivors}
-    if settles and views != {tuple(ids)}:
-        out.append(f"survivors {ids} end in clusters {sorted(views)}")
+    if settles:
+        for ids in _can_meet([p for p in c.procs if p.exit != "crashed"]):
+            views = {tuple(sorted(r["member_ids"])) for r in survivors if r["node"] in ids}
+            if views != {tuple(ids)}:
+                out.append(f"survivors {ids} end in clusters {sorted(views)}")
     return out
+
+
+def _can_meet(survivors: list[Any]) -> list[list[str]]:
+    """The survivors, in sets that can find each other (sorted ids): two can when one names
+    the other as a seed in its present life, or when either remembers the cluster (its
+    first life, or one that read its checkpoint's member list with ``--resume``), since
+    a node probes the members it knew at their addresses until they answer. A life
+    restarted without a checkpoint knows its seeds only: if those are dead for good, and
+    no survivor remembers it or names it, nobody can find it (the explorer found such a
+    schedule, seed 450001456: two restarted nodes whose only seeds had crashed)."""
+    def remembers(p: Any) -> bool:
+        cfg = p.life.cfg if p.life is not None else p.cfg  # (the present life's: a restart may resume)
+        return not p.lives or bool(cfg.resume and cfg.checkpoint_dir)
+
+    ids = {p.id: p for p in survivors}
+    parent = {i: i for i in ids}
+
+    def root(i: str) -> str:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a in survivors:
+        for b in survivors:
+            if a.id < b.id and (b.id in a.cfg.peers or a.id in b.cfg.peers or remembers(a) or remembers(b)):
+                parent[root(a.id)] = root(b.id)
+    sets: dict[str, list[str]] = {}
+    for i in sorted(ids):
+        sets.setdefault(root(i), []).append(i)
+    return list(sets.values())
 
 
 def check_ranks(c: SimCluster) -> list[str]:

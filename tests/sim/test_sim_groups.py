@@ -93,6 +93,9 @@ def test_the_explorer_draws_groups_from_a_generator_of_their_own():
     # groups that joined a round past the end trained on to step 101 of 100: a group's
     # lifecycle (over a model of the caller's) counted as a loop with no step budget
     100000534,
+    # not the protocol's: two groups restarted without checkpoints, each seeded only with a
+    # group that had crashed for good, could never meet; the check asked them to end as one
+    450001456,
 ])
 def test_explored_group_schedules_hold_every_invariant(seed, tmp_path):
     """Schedules with groups that the explorer found."""
@@ -100,6 +103,32 @@ def test_explored_group_schedules_hold_every_invariant(seed, tmp_path):
     assert s.group > 1
     c = explore.run_schedule(s, str(tmp_path))
     assert explore.check(c, s.settles) == []
+    if seed == 450001456:  # each survivor ends a cluster of its own: nobody could find the other
+        assert explore._can_meet([p for p in c.procs if p.exit != "crashed"]) == [[node_id(1)], [node_id(3)]]
+        assert [r["member_ids"] for r in c.results() if r["exit"] == "done"] == [[node_id(1)], [node_id(3)]]
+
+
+class _Proc:  # what explore._can_meet reads of a simulated process
+    def __init__(self, i: int, peers: tuple[int, ...], restarted: bool = False, resume: bool = False) -> None:
+        from gossip.protocol.config import PeerConfig
+
+        self.id, self.life = node_id(i), None
+        self.lives = [{}] if restarted else []
+        self.cfg = PeerConfig(listen=node_id(i), peers=tuple(node_id(j) for j in peers), resume=resume,
+                              checkpoint_dir="ck" if resume else None)
+
+
+def test_survivors_that_can_find_each_other_are_asked_to_end_as_one_cluster():
+    """The explorer's one-cluster check holds survivors together when any of them names
+    another as a seed or remembers the cluster (a first life, or --resume with a member
+    list), and only then."""
+    meet = explore._can_meet
+    first, lost = _Proc(0, (1,)), _Proc(1, (2,), restarted=True)
+    assert meet([first, lost]) == [[node_id(0), node_id(1)]]  # the first life probes it
+    a, b = _Proc(1, (2,), restarted=True), _Proc(3, (0,), restarted=True)
+    assert meet([a, b]) == [[node_id(1)], [node_id(3)]]  # both forgot; their seeds are dead
+    assert meet([a, _Proc(3, (1,), restarted=True)]) == [[node_id(1), node_id(3)]]  # one names the other
+    assert meet([a, _Proc(3, (0,), restarted=True, resume=True)]) == [[node_id(1), node_id(3)]]
 
 
 def test_bad_group_settings_are_refused_by_name():
