@@ -184,11 +184,15 @@ class Lifecycle:
 
     def on_excluded(self, rnd: int, by: str, cluster: set[str], merge: bool) -> None:
         """The control plane's verdict: this node, alive and training, must join
-        ``cluster`` as a new life (the training side sees it after its current step)."""
-        if self.excluded is None and not self.stop.is_set() and self.status == "training":
+        ``cluster`` as a new life (the training side sees it after its current step).
+        Checked and set under the lock: :meth:`rejoin` ends the life under it too, so a
+        second verdict on the life that ends (two members of the other cluster, heard
+        a moment apart) finds it ended, not a fresh life to end again."""
+        with self.lock:
+            if self.excluded is not None or self.stop.is_set() or self.status != "training":
+                return
             if merge:
-                with self.lock:
-                    ours = len(self.membership.eventual())
+                ours = len(self.membership.eventual())
                 log.warning("%s: %s trains in another cluster, of %d members (this node's has %d): the halves "
                             "of a partition that healed, or clusters started apart, met. The larger goes on "
                             "(equal sizes: the one with the smallest id); this node joins it as a new life, "
@@ -391,10 +395,11 @@ class Lifecycle:
         (this node's own drifted while it was out). If no member of that cluster
         schedules the join within ``join_timeout``, it trains on alone instead."""
         now = yield POLL0
-        self.excluded = None
-        self.rejoins += 1
-        self.merges += self.merging
-        with self.lock:
+        with self.lock:  # (see on_excluded: the life ends here, before the verdict is cleared)
+            self.status = "waiting"
+            self.excluded = None
+            self.rejoins += 1
+            self.merges += self.merging
             self.incarnation = self.new_incarnation(self.incarnation)
             self.control.new_life(self.incarnation)
             self.membership.new_life(self.incarnation, target=self.rejoin_cluster, now=now)
