@@ -15,6 +15,18 @@ from gossip.transport.ports import free_port, free_ports
 from tests import forkserver
 
 
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def _node_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A node process's environment: unbuffered output, one OpenMP thread, ``extra``, and
+    this checkout's gossip first on the path, wherever (or whether) the package is
+    installed (a script runs with its own folder first on its path, not the repository's)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(extra or {}))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def _die_with_parent() -> None:
     """In the child, before it runs: on Linux, SIGKILL it when the test process dies, so that
     a test run that is itself killed (a CI timeout, ^C twice) leaves no node behind; the
@@ -44,11 +56,7 @@ class NodeProc:
         self.name = name
         self.out = workdir / f"{name}.out"
         self.err = workdir / f"{name}.err"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
-        root = str(Path(__file__).resolve().parents[1])
-        # this checkout's gossip, wherever (or whether) the package is installed: a script
-        # runs with its own folder first on its path, not the repository's
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env = _node_env(env)
         if script is not None and torchrun:
             env["GOSSIP_LISTEN"] = self.addr
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun),
@@ -63,15 +71,15 @@ class NodeProc:
         self.proc: subprocess.Popen | forkserver.ForkedProc
         if forkserver.enabled():  # a process of its own, without paying torch's imports again
             if torchrun:
-                self.proc = forkserver.spawn(cmd[3:], module="torch.distributed.run", env=env, cwd=root,
+                self.proc = forkserver.spawn(cmd[3:], module="torch.distributed.run", env=env, cwd=ROOT,
                                              out=self.out, err=self.err)
             else:
                 self.proc = forkserver.spawn(cmd[2 if script is not None else 3:],
-                                             script=str(script) if script else None, env=env, cwd=root,
+                                             script=str(script) if script else None, env=env, cwd=ROOT,
                                              out=self.out, err=self.err)
         else:
             self.proc = subprocess.Popen(cmd, stdout=open(self.out, "w"), stderr=open(self.err, "w"), env=env,
-                                         cwd=root, start_new_session=True, preexec_fn=_die_with_parent)
+                                         cwd=ROOT, start_new_session=True, preexec_fn=_die_with_parent)
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)
@@ -136,15 +144,13 @@ def wait_for_step(metrics: Path, step: int, timeout: float, since: int = 0) -> d
 def run_node(args: list[str], workdir: Path, name: str = "run", timeout: float = 120.0) -> subprocess.CompletedProcess:
     """``gossip-node ARGS`` run to its end as a process of its own (from the tests' fork
     server when it runs); its exit status and output."""
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env = _node_env()
     if not forkserver.enabled():
         return subprocess.run([sys.executable, "-c", "import sys; from gossip.cli import node_main; "
                                "sys.exit(node_main())", *args], capture_output=True, text=True, timeout=timeout,
-                              env=env, cwd=root)
+                              env=env, cwd=ROOT)
     out, err = workdir / f"{name}.out", workdir / f"{name}.err"
-    proc = forkserver.spawn(list(args), env=env, cwd=root, out=out, err=err)
+    proc = forkserver.spawn(list(args), env=env, cwd=ROOT, out=out, err=err)
     try:
         code = proc.wait(timeout)
     finally:

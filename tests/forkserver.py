@@ -57,7 +57,20 @@ def _die_with_parent() -> None:
 
 # -- the test process's side --------------------------------------------------------------
 
-class ForkedProc:
+class _PopenLike:
+    """``terminate`` and ``kill`` over a subclass's ``send_signal``, as ``subprocess.Popen`` has them."""
+
+    def send_signal(self, sig: int) -> None:
+        raise NotImplementedError
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedProc(_PopenLike):
     """A node forked by the server: the part of ``subprocess.Popen``'s interface the tests use."""
 
     def __init__(self, server: "_Server", pid: int, args: list[str]) -> None:
@@ -85,12 +98,6 @@ class ForkedProc:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class _Server:
@@ -214,7 +221,7 @@ def _fork_ranks() -> None:
     handler._popen = _popen
 
 
-class _Child:
+class _Child(_PopenLike):
     """A rank forked by its launcher: the part of ``subprocess.Popen`` the launcher uses."""
 
     def __init__(self, pid: int, args: list[str]) -> None:
@@ -244,12 +251,6 @@ class _Child:
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def _fresh_interpreter() -> None:

@@ -299,7 +299,7 @@ class ZmqTransport:
         while self._delayed and self._delayed[0][0] <= now:
             _, _, dst, frames, droppable = heapq.heappop(self._delayed)
             self._send_now(dst, frames, droppable, now)
-        self._retry_control(now)
+        self._retry_held(now)
 
     def _send_now(self, dst: str, frames: list, droppable: bool = True, now: float = 0.0) -> None:
         hold = (not droppable or self._fresh(dst, now)) and self.hold_control > 0
@@ -331,7 +331,7 @@ class ZmqTransport:
             self.dropped[dst] += 1
             log.warning("%s: send to %s failed: %s", self.node_id, dst, e)
 
-    def _retry_control(self, now: float) -> None:
+    def _retry_held(self, now: float) -> None:
         """Send held messages once their connection is up; drop expired ones."""
         for dst in list(self._held):
             held = self._held[dst]
@@ -420,7 +420,7 @@ class ZmqTransport:
                             log.exception("%s: error handling a message from %r", self.node_id, ident[:64])
                 now = self.clock()
                 if self._held:
-                    self._retry_control(now)
+                    self._retry_held(now)
                 if now >= next_tick:
                     next_tick = now + self.tick
                     if self.on_tick is not None:
