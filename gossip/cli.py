@@ -269,7 +269,7 @@ NODE_FLAGS = {
     "listen": str, "advertise": str, "peers": str, "topology": str, "algorithm": str, "compression": str,
     "period": int, "task": str, "split": str, "steps": int, "seed": int, "rank": int, "world_size": int,
     "device": str, "dc": str, "timeout": float, "heartbeat": float, "dead_after": float, "settle": float,
-    "join_timeout": float, "join_margin": int, "grace": float, "checkpoint_dir": str, "checkpoint_every": int,
+    "join_timeout": float, "start_hold": float, "join_margin": int, "grace": float, "checkpoint_dir": str, "checkpoint_every": int,
     "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": (float, str),
     "threads": int, "emulate": list, "curve_keys": str, "peers_file": str, "slurm": bool, "slurm_port": int,
     "progress": bool, "tensorboard": str, "clip": (float, str), "asynchronous": bool, "staleness": str, "overlap": bool, "link_policy": list,
@@ -314,6 +314,9 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="member set stable this long before a fresh cluster starts (default: %(default)s)")
     p.add_argument("--join-timeout", type=_positive_float("--join-timeout"), default=TIMING.join_timeout,
                    metavar="SEC", help="wait this long for peers before training alone (default: %(default)s)")
+    p.add_argument("--start-hold", type=_positive_float("--start-hold"), default=TIMING.start_hold, metavar="SEC",
+                   help="a peer that has not answered holds the start of those that did back this long at most; "
+                        "it joins when it comes (default: %(default)s)")
     p.add_argument("--join-margin", type=_nonneg_int("--join-margin"), default=TIMING.join_margin, metavar="ROUNDS",
                    help="rounds between announcing a join and adopting it (default: %(default)s)")
     p.add_argument("--grace", type=float, default=TIMING.grace, metavar="SEC",
@@ -440,7 +443,7 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
                      seed=merged["seed"], rank=merged.get("rank"), world_size=merged.get("world_size"),
                      device=merged["device"], dc=merged["dc"], timeout=merged["timeout"],
                      heartbeat=merged["heartbeat"], dead_after=merged["dead_after"], settle=merged["settle"],
-                     join_timeout=merged["join_timeout"], join_margin=merged["join_margin"], grace=merged["grace"],
+                     join_timeout=merged["join_timeout"], start_hold=merged["start_hold"], join_margin=merged["join_margin"], grace=merged["grace"],
                      checkpoint_dir=merged.get("checkpoint_dir"), checkpoint_every=merged["checkpoint_every"],
                      resume=bool(merged.get("resume")), log=merged.get("log"), eval_every=merged["eval_every"],
                      max_message_mb=merged["max_message_mb"], curve_keys=merged.get("curve_keys"),

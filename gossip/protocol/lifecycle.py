@@ -148,6 +148,9 @@ class Lifecycle:
         self.on_average: Any = None  # GossipNode's collectives: called with each "average" message
         self.serving = False  # done, but still taking part in rounds for the members that train (GossipNode)
         self.last_step_at: float | None = None
+        # driver times: when this process began to look for its peers, and when it first trained
+        self.looked_at: float | None = None
+        self.trained_at: float | None = None
         # with ``audit`` (the simulator's checks): (member, sha256) of every state handed over
         # to a joiner, and (donor, sha256) of the state this life took
         self.audit = False
@@ -175,6 +178,11 @@ class Lifecycle:
     took = property(lambda self: self.joining.took)
 
     # -- what the control plane asks --------------------------------------------------------
+    @property
+    def start_wait(self) -> float | None:
+        """Seconds from this process's first hello to its first training step (None: it never trained)."""
+        return None if self.trained_at is None or self.looked_at is None else self.trained_at - self.looked_at
+
     def progress(self) -> tuple[str, int, int]:
         node = self.node
         return self.status, (node.round if node else 0), (node.step if node else self.resume_step)
@@ -241,6 +249,7 @@ class Lifecycle:
         """Wait until we can start; returns "fresh", "member" or "join" (None if stopped)."""
         cfg = self.cfg
         start = yield POLL0
+        self.looked_at = start if self.looked_at is None else self.looked_at
         seeds = [parse_address(p) for p in cfg.peers]
         self.control.apply(self.control.hello_all([s for s in seeds if s != self.id]))
         # a restarted process also asks the members it last trained with: its seeds may be
@@ -288,8 +297,9 @@ class Lifecycle:
                     self.control.apply(self.control.hello_all(running[:1]))
                 continue
             if others:
-                # a seed that never answers stops holding the start back after join_timeout
-                ok, why = self.control.settled(now, cfg.timing.settle, seeds=now - start < cfg.timing.join_timeout)
+                # a seed that has not answered holds the start of those that did back for
+                # start_hold at most: it joins the running cluster when it comes
+                ok, why = self.control.settled(now, cfg.timing.settle, seeds=now - start < cfg.timing.start_hold)
                 if ok:
                     return "fresh"
                 if now - last_note >= 2.0:
@@ -360,6 +370,7 @@ class Lifecycle:
             self.joining.align_start(mode)
         self.status = "training"
         now = yield POLL0
+        self.trained_at = now if self.trained_at is None else self.trained_at
         with self.lock:
             self.membership.begin_training(now)
             self.membership.target.clear()

@@ -43,8 +43,11 @@ class Timing:
     dead_after : a member silent this long is declared dead
     settle : a fresh start waits until the member set has been stable this long
     grace : a finished node keeps serving the members still training at most this long
-    join_timeout : a node waits for its peers (a seed that never answers, a join the
-        cluster never schedules) at most this long, then trains on alone
+    join_timeout : a node that no peer answers (or whose join the cluster never
+        schedules) waits this long at most, then trains on alone
+    start_hold : a ``--peers`` seed that has not answered holds a fresh start of the
+        members that did answer back this long at most (measured from each node's
+        start); it joins the running cluster when it comes
     join_margin : rounds between announcing a join and adopting it (every member
         must hear of it first)
     leave_margin : rounds between announcing a death or goodbye and adopting it
@@ -55,11 +58,12 @@ class Timing:
     settle: float = 2.0
     grace: float = 10.0
     join_timeout: float = 60.0
+    start_hold: float = 10.0
     join_margin: int = 20
     leave_margin: int = 5
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat", "dead_after", "join_timeout"):
+        for name in ("heartbeat", "dead_after", "join_timeout", "start_hold"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
@@ -79,22 +83,23 @@ class Timing:
     @classmethod
     def fast(cls) -> "Timing":
         """Quick detection for tests and simulated clusters: probes every 0.25 s, dead after 2 s."""
-        return cls(heartbeat=0.25, dead_after=2.0, settle=1.0, grace=5.0)
+        return cls(heartbeat=0.25, dead_after=2.0, settle=1.0, grace=5.0, start_hold=5.0)
 
     @classmethod
     def from_detect(cls, detect: float, round_seconds: float = 0.0) -> "Timing":
         """The simulator's timing for a failure-detection delay of ``detect`` seconds
         (``gossip-sim --detect``), with rounds of ``round_seconds``: probes every
         ``detect / 4``, a start that settles in one probe period, a grace of
-        ``2.5 * detect``, a join timeout of ``20 * detect`` (at least 1 s), and joins
-        announced the rounds one probe period lasts ahead (2 to 20)."""
+        ``2.5 * detect``, a join timeout of ``20 * detect`` (at least 1 s), a start hold of
+        five probe periods, and joins announced the rounds one probe period lasts ahead
+        (2 to 20)."""
         if isinstance(detect, bool) or not isinstance(detect, (int, float)) or not (detect > 0 and math.isfinite(detect)):
             raise ValueError(f"detect must be a positive number of seconds (the failure detector's dead_after), "
                              f"got {detect!r}")
         heartbeat = detect / 4
         margin = int(min(cls.join_margin, max(2, math.ceil(heartbeat / max(round_seconds, 1e-9)))))
         return cls(heartbeat=heartbeat, dead_after=float(detect), settle=heartbeat, grace=2.5 * detect,
-                   join_timeout=max(1.0, 20.0 * detect), join_margin=margin)
+                   join_timeout=max(1.0, 20.0 * detect), start_hold=5 * heartbeat, join_margin=margin)
 
     def replace(self, **changes: Any) -> "Timing":
         return dataclasses.replace(self, **changes)

@@ -607,6 +607,7 @@ class SimCluster:
                 "resumed_from": life.resumed_from if life else None,
                 "timed_out_rounds": life.timed_out_rounds if life else 0,
                 "max_step_gap_s": life.max_step_gap if life else 0.0,
+                "start_wait_s": life.start_wait if life else None,
                 "neighbor_distance": node.neighbor_distance() if node else float("nan"),
                 "params_sha256": node.state.sha256() if node else None,
                 "finite": bool(torch.isfinite(node.state.flat).all()) if node else True,

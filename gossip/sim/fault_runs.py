@@ -25,8 +25,8 @@ What the :class:`~gossip.sim.config.SimConfig` becomes, per node (a
   (:meth:`Timing.from_detect <gossip.protocol.timing.Timing.from_detect>`):
   ``dead_after = detect``, ``heartbeat = detect / 4``, ``settle`` one heartbeat (the
   start-up: discovery, then a stable member set this long), ``grace = 2.5 * detect``,
-  ``join_timeout = 20 * detect`` (at least 1 s), and ``join_margin`` the rounds a
-  heartbeat lasts (2 to 20);
+  ``join_timeout = 20 * detect`` (at least 1 s), ``start_hold`` five heartbeats,
+  and ``join_margin`` the rounds a heartbeat lasts (2 to 20);
 * ``detector`` names the nodes' failure detector (``gossip-node --detector``).
 
 The faults (:mod:`gossip.sim.faults`): ``crash:N@T`` kills process N (no goodbye);

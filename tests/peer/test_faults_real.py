@@ -66,6 +66,26 @@ def test_killing_two_of_eight_nodes_costs_only_their_work(tmp_path):
     assert acc(faulty) >= acc(clean) - 0.01, (acc(faulty), acc(clean))
 
 
+def test_a_listed_node_killed_before_it_answers_holds_the_start_back_only_briefly(tmp_path):
+    """Five nodes started with the full list; one killed at once, before it can answer:
+    the other four start after --start-hold (10 s by default), not after --join-timeout
+    (60 s), and finish in one cluster of four without a round timed out."""
+    n, steps, hold = 5, 200, 10.0
+    ports = [free_port() for _ in range(n)]
+    every = ",".join(f"127.0.0.1:{p}" for p in ports)
+    args = ["--peers", every, "--topology", "ring", "--task", "synthetic", "--steps", str(steps), "--json", *FAST]
+    with Cluster(tmp_path) as c:
+        nodes = [c.start(f"n{i}", args, port=ports[i]) for i in range(n)]
+        nodes[4].proc.send_signal(signal.SIGKILL)
+        assert nodes[4].wait(30) == -signal.SIGKILL
+        assert [x.wait(120) for x in nodes[:4]] == [0] * 4, nodes[0].log()[-3000:]
+        rs = [x.summary() for x in nodes[:4]]
+    for r in rs:
+        assert r["steps"] == steps and r["members"] == 4 and r["timed_out_rounds"] == 0 and not r["joined"], r
+        # the hold, then one settle (1 s) and a heartbeat or two of slack; far from --join-timeout
+        assert 0 < r["start_wait_s"] < hold + 3.0, r["start_wait_s"]
+
+
 @pytest.mark.slow
 def test_a_restarted_node_takes_the_newer_state_and_catches_up(tmp_path):
     """Timed by events, not by the machine's speed: the others train until the test

@@ -101,6 +101,23 @@ def test_a_restarted_node_without_a_checkpoint_joins_with_a_member_state():
     assert all(r["exit"] == "done" and r["steps"] == steps and r["members"] == 4 for r in rs), rs
 
 
+def test_a_listed_node_that_never_answers_holds_the_start_back_for_start_hold_only():
+    """Twin of test_a_listed_node_killed_before_it_answers_holds_the_start_back_only_briefly:
+    every node lists all five, one never starts. The four start together once their
+    start_hold (5 s with FAST) has passed, not after join_timeout (60 s); the fifth,
+    started later, joins the running cluster."""
+    c = SimCluster(5, steps=2000, peers=lambda i: [j for j in range(5) if j != i], late=[4])
+    c.start(4, at=12.0)
+    c.run(until=120.0)
+    rs = c.results()
+    hold = FAST["timing"].start_hold
+    assert hold == 5.0 and FAST["timing"].join_timeout == 60.0
+    # (the set was stable long before: they start at the first look past the hold)
+    assert all(hold <= r["start_wait_s"] < hold + 0.1 for r in rs[:4]), [r["start_wait_s"] for r in rs]
+    assert all(not r["joined"] and r["members"] == 5 and r["timed_out_rounds"] == 0 for r in rs[:4]), rs
+    assert rs[4]["joined"] and rs[4]["state_from"] is not None and rs[4]["exit"] == "done", rs[4]
+
+
 @pytest.mark.parametrize("group", [1, 2])
 def test_a_restart_faster_than_detection_costs_no_member_a_timed_out_round(group):
     """A member killed and back at the same address 0.2 s later, long before its old life
