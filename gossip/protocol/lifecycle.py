@@ -597,10 +597,9 @@ class Lifecycle:
 
     def quiet_for(self, mid: str, now: float) -> bool:
         """Whether ``mid`` has been silent (no state, no control message) for longer than
-        its rhythm allows, and this node is not too far past its last round to go on
-        without it (see :mod:`gossip.protocol.patience`; call with the lock held)."""
+        its rhythm allows (see :mod:`gossip.protocol.patience`; call with the lock held)."""
         bound = self.patience.bound(mid)
-        if bound is None or (self.node is not None and not self.patience.may_skip(mid, self.node.round)):
+        if bound is None:
             return False
         m = self.membership.members.get(mid)
         last = max(self.patience.last.get(mid, -math.inf), m.last_seen if m is not None else -math.inf)
@@ -674,7 +673,7 @@ class Lifecycle:
             if not node.deliver(msg):
                 self.node_rejected_from(msg)
             elif self.clock is not None:
-                self.patience.heard(msg.sender, self.clock(), msg.round)
+                self.patience.heard(msg.sender, self.clock())
                 self.silent.discard(msg.sender)
         elif msg.kind == "state-request":
             if node is None or self.status == "waiting":

@@ -17,14 +17,6 @@ The rule here tells *slow* from *gone* by the neighbour's own rhythm:
 - with fewer than :data:`MIN_GAPS` gaps known (a neighbour just met, a joiner's
   first rounds) there is no rhythm to go by, and the round waits ``--timeout``.
 
-A round skips a silent neighbour only while it is at most :data:`AHEAD` rounds
-past the last round it heard from that neighbour; further on, it waits as it did
-before the rule (until the neighbour speaks, the failure detector removes it, or
-``--timeout``). Without that bound, a neighbour held up only by a dead neighbour
-of its own looked silent too, and the nodes around it ran hundreds of rounds
-ahead, past what their inboxes keep for it: on its return it could not catch up,
-and they waited out ``--timeout`` for it.
-
 A slow but steady neighbour (a slow link, a slower GPU, a large model's long
 transfers) is never silent that long: its messages keep coming once per round
 of its own, and those gaps set its bound. A neighbour that stopped sends
@@ -40,13 +32,12 @@ from __future__ import annotations
 import math
 from collections import deque
 
-__all__ = ["Patience", "WINDOW", "MIN_GAPS", "MARGIN", "DEFAULT_FLOOR", "AHEAD"]
+__all__ = ["Patience", "WINDOW", "MIN_GAPS", "MARGIN", "DEFAULT_FLOOR"]
 
 WINDOW = 32  # gaps kept per neighbour
 MIN_GAPS = 8  # gaps needed before a neighbour has a rhythm to go by
 MARGIN = 4.0  # a neighbour silent for this many times its 95th-percentile gap is given up on for the round
 DEFAULT_FLOOR = 0.5  # seconds of silence (--min-wait) a round waits at least
-AHEAD = 32  # rounds past a silent neighbour's last message that a node goes on without it, at most
 
 
 class Patience:
@@ -71,14 +62,12 @@ class Patience:
         self.floor, self.ceiling, self.margin = float(floor), float(ceiling), float(margin)
         self.gaps: dict[str, deque[float]] = {}
         self.last: dict[str, float] = {}
-        self.rounds: dict[str, int] = {}  # member -> the round of its last state message
         self._bounds: dict[str, float | None] = {}
 
-    def heard(self, member: str, now: float, rnd: int = 0) -> None:
-        """A state message of round ``rnd`` from ``member`` arrived at ``now``."""
+    def heard(self, member: str, now: float) -> None:
+        """A state message from ``member`` arrived at ``now``."""
         last = self.last.get(member)
         self.last[member] = now
-        self.rounds[member] = max(rnd, self.rounds.get(member, rnd))
         if last is None or now < last:
             return
         gaps = self.gaps.get(member)
@@ -100,14 +89,8 @@ class Patience:
         out = self._bounds[member] = min(self.ceiling, max(self.floor, self.margin * p95))
         return out
 
-    def may_skip(self, member: str, rnd: int) -> bool:
-        """Whether a round ``rnd`` may go on without ``member`` once it is silent: at
-        most :data:`AHEAD` rounds past the last round heard from it."""
-        return rnd - self.rounds.get(member, rnd) <= AHEAD
-
     def forget(self, member: str) -> None:
         """``member`` started a new life (or left): its rhythm starts afresh."""
         self.gaps.pop(member, None)
         self.last.pop(member, None)
-        self.rounds.pop(member, None)
         self._bounds.pop(member, None)
