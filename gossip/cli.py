@@ -13,7 +13,6 @@ import math
 import sys
 from typing import Any, Sequence
 
-from gossip.protocol.patience import DEFAULT_FLOOR
 from gossip.protocol.timing import DEFAULT_DETECTOR, DETECTORS, Timing
 
 __all__ = ["sim_main", "build_sim_parser", "node_main", "build_node_parser", "mixing_settings"]
@@ -269,7 +268,7 @@ NODE_FLAGS = {
     # dest: (type for TOML values, help)
     "listen": str, "advertise": str, "peers": str, "topology": str, "algorithm": str, "compression": str,
     "period": int, "task": str, "split": str, "steps": int, "seed": int, "rank": int, "world_size": int,
-    "device": str, "dc": str, "timeout": float, "min_wait": float, "heartbeat": float, "dead_after": float, "settle": float,
+    "device": str, "dc": str, "timeout": float, "heartbeat": float, "dead_after": float, "settle": float,
     "join_timeout": float, "start_hold": float, "join_margin": int, "grace": float, "checkpoint_dir": str, "checkpoint_every": int,
     "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": (float, str),
     "threads": int, "emulate": list, "curve_keys": str, "peers_file": str, "slurm": bool, "slurm_port": int,
@@ -299,10 +298,6 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="with --slurm: task SLURM_LOCALID listens on PORT + SLURM_LOCALID (default: 29400)")
     add_training_args(p)
     p.set_defaults(device="auto", timeout=5.0)  # real rounds: a few heartbeats, not the simulator's 30 s
-    p.add_argument("--min-wait", type=_positive_float("--min-wait"), default=DEFAULT_FLOOR, metavar="SEC",
-                   help="a synchronous round stops waiting for a neighbour that has been silent for 4x its usual "
-                        "gap between messages, and at least this long; then it mixes without it (--timeout is "
-                        "the most a round waits; default: %(default)s)")
     p.add_argument("--rank", type=int, metavar="R", help="data shard index (with --world-size); default: this "
                                                          "node's index in the sorted member list")
     p.add_argument("--world-size", type=int, metavar="W", help="number of data shards (with --rank)")
@@ -446,7 +441,7 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
     cfg = PeerConfig(listen=merged["listen"], peers=peers, advertise=merged.get("advertise"),
                      topology=merged["topology"], mixing=mixing_settings(merged), task=merged["task"], split=merged["split"], steps=merged["steps"],
                      seed=merged["seed"], rank=merged.get("rank"), world_size=merged.get("world_size"),
-                     device=merged["device"], dc=merged["dc"], timeout=merged["timeout"], min_wait=merged["min_wait"],
+                     device=merged["device"], dc=merged["dc"], timeout=merged["timeout"],
                      heartbeat=merged["heartbeat"], dead_after=merged["dead_after"], settle=merged["settle"],
                      join_timeout=merged["join_timeout"], start_hold=merged["start_hold"], join_margin=merged["join_margin"], grace=merged["grace"],
                      checkpoint_dir=merged.get("checkpoint_dir"), checkpoint_every=merged["checkpoint_every"],

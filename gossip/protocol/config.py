@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from gossip.mixing.settings import MixingSettings, build_rules, with_mixing_options
-from gossip.protocol.patience import DEFAULT_FLOOR
 from gossip.protocol.timing import (
     DEFAULT_DETECTOR,
     DETECTORS,
@@ -43,10 +42,7 @@ class PeerConfig:
     world_size: int | None = None
     device: str = "auto"
     dc: str = ""                         # datacenter label (links between different labels are "inter")
-    timeout: float = 5.0                 # synchronous round timeout (s): the most a round waits for a neighbour
-    # a round stops waiting for a neighbour silent for 4x its usual gap, and at least this long (s; see
-    # gossip.protocol.patience)
-    min_wait: float = DEFAULT_FLOOR
+    timeout: float = 5.0                 # synchronous round timeout (s)
     # the protocol's timings: one Timing (heartbeat, dead_after, settle, grace, join_timeout,
     # join_margin, leave_margin), also accepted as flat keywords and read back flat (cfg.dead_after)
     timing: Timing | None = None
@@ -73,9 +69,6 @@ class PeerConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0 and math.isfinite(self.timeout)):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
-        if isinstance(self.min_wait, bool) or not (isinstance(self.min_wait, (int, float)) and self.min_wait > 0
-                                                    and math.isfinite(self.min_wait)):
-            raise ValueError(f"min_wait must be a positive number of seconds, got {self.min_wait!r}")
         if not (isinstance(self.max_message_mb, (int, float)) and self.max_message_mb >= 0
                 and math.isfinite(self.max_message_mb)):
             raise ValueError(f"max_message_mb must be a number >= 0, got {self.max_message_mb!r}")

@@ -29,7 +29,6 @@ with its failure detector) over the :class:`~gossip.protocol.membership.Membersh
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections import Counter
 from typing import Any, Callable
@@ -53,7 +52,6 @@ from gossip.protocol.control import ControlPlane
 from gossip.protocol.errors import PeerError
 from gossip.protocol.joining import ClusterGone, Joining
 from gossip.protocol.membership import Membership, out_of_step, topology_for
-from gossip.protocol.patience import Patience
 from gossip.training.node import Node, NodeConfig
 from gossip.transport.addresses import parse_address
 
@@ -136,11 +134,6 @@ class Lifecycle:
         self.trained_steps = 0
         self.max_step_gap = 0.0
         self.timed_out_rounds = 0  # synchronous rounds that waited --timeout in vain
-        # synchronous rounds that stopped waiting for neighbours gone silent (see gossip.protocol.patience)
-        self.skipped_rounds = 0
-        self.patience = Patience(cfg.min_wait, float(cfg.timeout))
-        self.clock = clock
-        self.silent: set[str] = set()  # neighbours given up on while silent (logged once each time)
         self.late = 0  # of which in a row (reset by a round that completed)
         self.node_rejected: Counter[str] = Counter()
         self.topologies: dict[tuple, Any] = {}
@@ -566,20 +559,8 @@ class Lifecycle:
             if self.stop.is_set() or self.excluded is not None:
                 return now
             with self.lock:
-                awaited = node.awaited()
-                if all(self.gone(e, node.round) for e in awaited):
+                if all(self.gone(e, node.round) for e in node.awaited()):
                     return now  # mix without the dead; a live neighbour's message is worth its wait
-                quiet = [e for e in awaited if not self.gone(e, node.round)]
-                if quiet and all(self.quiet_for(e, now) for e in quiet):
-                    # every neighbour still awaited has gone silent for longer than its rhythm allows
-                    self.skipped_rounds += 1
-                    news = [e for e in quiet if e not in self.silent]
-                    if news:
-                        self.silent.update(news)
-                        log.info("%s: round %d mixes without %s, silent for longer than %s (rounds wait for "
-                                 "them again from their next message)", self.id, node.round, ", ".join(news),
-                                 ", ".join(f"{self.patience.bound(e):.2f} s" for e in news))
-                    return now
             now = yield Poll(min(remaining, POLL))
         self.late = 0
         return now
@@ -594,16 +575,6 @@ class Lifecycle:
             return True
         life = self.membership.lives.get(mid)
         return life is not None and m.incarnation != life
-
-    def quiet_for(self, mid: str, now: float) -> bool:
-        """Whether ``mid`` has been silent (no state, no control message) for longer than
-        its rhythm allows (see :mod:`gossip.protocol.patience`; call with the lock held)."""
-        bound = self.patience.bound(mid)
-        if bound is None:
-            return False
-        m = self.membership.members.get(mid)
-        last = max(self.patience.last.get(mid, -math.inf), m.last_seen if m is not None else -math.inf)
-        return now - last > bound
 
     def out_of_step(self, awaited: list[str]) -> None:
         """Rounds keep timing out while the neighbours waited for are alive: say so, and
@@ -672,9 +643,6 @@ class Lifecycle:
                     return
             if not node.deliver(msg):
                 self.node_rejected_from(msg)
-            elif self.clock is not None:
-                self.patience.heard(msg.sender, self.clock())
-                self.silent.discard(msg.sender)
         elif msg.kind == "state-request":
             if node is None or self.status == "waiting":
                 return
@@ -758,7 +726,6 @@ class Lifecycle:
         inc = self.incarnation_of(sender)
         if self.incarnations.get(sender, inc) != inc and self.node is not None:
             self.node.forget_sender(sender)
-            self.patience.forget(sender)  # a new life keeps a rhythm of its own
         self.incarnations[sender] = inc
 
     def node_rejected_from(self, msg: Message) -> None:

@@ -105,23 +105,17 @@ class GroupLead:
     def publish_alive(self) -> None:
         """After each control tick (a real driver's I/O thread): the members rank 0 counts
         alive, when they changed (a rank waiting in a round stops waiting for one rank 0 no
-        longer counts, or holds silent for longer than its rhythm allows; a rank connects
-        early to a member it has not met)."""
+        longer counts; a rank connects early to a member it has not met)."""
         life = self.life
         with life.lock:
             node = life.node
-            # members silent for longer than their rhythm allows: rank 0's rounds stop waiting
-            # for them, and so do the other ranks' (see gossip.protocol.patience)
-            now = life.clock() if life.clock is not None and node is not None else None
-            quiet = tuple(m for m in node.members if life.quiet_for(m, now)) if now is not None else ()
-            version = (life.membership.version, node.round if node is not None else None, quiet)
+            version = (life.membership.version, node.round if node is not None else None)
             if version == self._alive_version:
                 return
             self._alive_version = version
             table = life.membership.members
             # (a member may be gone for this round and train again from a later one: a new life)
-            dead = tuple(m for m in node.members if life.gone(m, node.round) or m in quiet) \
-                if node is not None else ()
+            dead = tuple(m for m in node.members if life.gone(m, node.round)) if node is not None else ()
             known = tuple((m, x.incarnation) for m, x in sorted(table.items()) if m != self.id)
             if (dead, known) == (self._dead, self._known):
                 return
