@@ -82,8 +82,11 @@ def test_a_listed_node_killed_before_it_answers_holds_the_start_back_only_briefl
         rs = [x.summary() for x in nodes[:4]]
     for r in rs:
         assert r["steps"] == steps and r["members"] == 4 and r["timed_out_rounds"] == 0 and not r["joined"], r
-        # the hold, then one settle (1 s) and a heartbeat or two of slack; far from --join-timeout
-        assert 0 < r["start_wait_s"] < hold + 3.0, r["start_wait_s"]
+    # each counts its hold from its own start, so one that started first waits for the others' too:
+    # the last to start trains within its hold, one settle (1 s) and a heartbeat or two of slack,
+    # however far apart this machine started them; none waits anything like --join-timeout (60 s)
+    waits = [r["start_wait_s"] for r in rs]
+    assert 0 < min(waits) < hold + 3.0 and max(waits) < 30.0, waits
 
 
 @pytest.mark.slow
