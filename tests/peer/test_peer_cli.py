@@ -277,8 +277,8 @@ def test_a_member_declared_dead_stays_behind_the_emulated_cut():
         peer.life.topology_for(sorted([me, west, east, "127.0.0.1:4"]))
         assert (peer._link_class(me, west), peer._link_class(me, east)) == ("inter", "intra")
         assert not crosses(west) and crosses(east)
-        with peer.lock:  # learned again (a new life) from another member's list: no label in it
-            assert peer.membership.merge([(west, 2)], 1.0) and peer.membership.members[west].dc == ""
+        with peer.lock:  # back as a new life whose first word carries no label
+            assert peer.membership.heard(west, 2, 1.0) and peer.membership.members[west].dc == ""
         assert peer._link_class(me, west) == "inter" and not crosses(west)
         assert peer._link_class(me, "127.0.0.1:3") == "intra"  # never labelled: this node's own
     finally:
