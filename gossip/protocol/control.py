@@ -107,6 +107,10 @@ class ControlFields:
     lincs: list[int] | None
     digest: str | None
     reason: Any
+    # the leave rounds of lives that a newer one replaced (see Membership.former)
+    fids: list[str] | None = None
+    fincs: list[int] | None = None
+    fends: list[int] | None = None
 
 
 def parse_control(msg: Message) -> ControlFields:
@@ -137,9 +141,12 @@ def parse_control(msg: Message) -> ControlFields:
     bincs = _int_list(x, "bincs", len(base)) if base is not None and "bincs" in x else None
     jincs = _int_list(x, "jincs", len(jids)) if jids is not None and "jincs" in x else None
     lincs = _int_list(x, "lincs", len(lids)) if lids is not None and "lincs" in x else None
+    fids = _str_list(x, "fids")
+    fincs = _int_list(x, "fincs", len(fids)) if fids is not None else None
+    fends = _int_list(x, "fends", len(fids)) if fids is not None else None
     digest = x.get("digest")
     return ControlFields(inc, status, dc, seeding, mids, mincs, mdcs, base, jids, jrounds, lids, lrounds, bincs,
-                         jincs, lincs, digest if isinstance(digest, str) else None, x.get("reason"))
+                         jincs, lincs, digest if isinstance(digest, str) else None, x.get("reason"), fids, fincs, fends)
 
 
 class ControlPlane:
@@ -328,6 +335,13 @@ class ControlPlane:
                 x.update(bincs=[self.incarnation if b == self.id else life(b, 0) for b in base],
                          jincs=[self.incarnation if j == self.id else life(j, 0) for j, _ in joins],
                          lincs=[life(j, 0) for j, _ in leaves])
+                # the leaves of lives a newer one replaced (a member that hears the new
+                # life's join before the old one's leave keeps the old one's rounds right)
+                former = sorted((j, inc, rec[1]) for j, lives in self.m.former.items()
+                                for inc, rec in lives.items() if rec[1] is not None)
+                if former:
+                    x.update(fids=[j for j, _, _ in former], fincs=[i for _, i, _ in former],
+                             fends=[r for _, _, r in former])
         return self._message(kind, **x)
 
     def _frame(self, kind: str, fields: dict) -> Message:
@@ -550,6 +564,10 @@ class ControlPlane:
         if lists and f.jids is not None and f.jrounds is not None:
             for j, r, ji in zip(f.jids, f.jrounds, f.jincs or [0] * len(f.jids)):
                 self.m.announce_join(j, r, ji or None)
+        if lists and f.fids is not None and f.fincs is not None and f.fends is not None:
+            for j, fi, r in zip(f.fids, f.fincs, f.fends):
+                if fi:
+                    self.m.announce_leave(j, r, fi)  # (an old life's: see Membership.former)
         if f.digest is not None:
             self.digests[peer] = f.digest
         if f.seeding and peer in self.m.members:

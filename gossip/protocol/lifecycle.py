@@ -573,10 +573,8 @@ class Lifecycle:
         that round, or it has a new life (a restart at the same address, which may answer
         every probe before its old life is declared dead)."""
         m = self.membership.members.get(mid)
-        if m is None or not self.membership.trains_in(mid, rnd):
-            return True
-        life = self.membership.lives.get(mid)
-        return life is not None and m.incarnation != life
+        trains, life = self.membership.life_in(mid, rnd)
+        return m is None or not trains or (life is not None and m.incarnation != life)
 
     def out_of_step(self, awaited: list[str]) -> None:
         """Rounds keep timing out while the neighbours waited for are alive: say so, and

@@ -27,6 +27,8 @@ __all__ = ["Member", "Membership", "cluster_after", "stronger", "out_of_step", "
 
 log = logging.getLogger("gossip.membership")
 
+MAX_FORMER_LIVES = 4  # earlier lives of one member whose rounds are kept (see Membership.former)
+
 def cluster_after(base: Iterable[str], joins: Iterable[str], leaves: Iterable[str]) -> set[str]:
     """Who trains once every announced join and leave has taken effect: the
     starters and joiners, less those announced to leave.
@@ -122,6 +124,14 @@ class Membership:
     lives: dict[str, int] = field(default_factory=dict)
     # leaves announced for a life whose join has not arrived yet: id -> (incarnation, round)
     early_leaves: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # the lives of a member that a newer one replaced: id -> incarnation -> [first round
+    # (-1: a starter; None: its join not heard), leave round (None: not heard)]. Such a
+    # life trains from its first round up to its leave or the join of a newer life,
+    # whichever comes first: a restart's join does not take the old life out of rounds
+    # before its leave, which some members may have begun already counting it (an
+    # epoch's data plan does). Joins and leaves of old lives heard late are kept here,
+    # the earliest of each wins, so every order of the announcements gives one schedule
+    former: dict[str, dict[int, list[int | None]]] = field(default_factory=dict)
     # members that appeared or came back (a new life, or re-admitted) since the last
     # take_renewed(): a connection kept towards an earlier life must be opened afresh
     renewed: set[str] = field(default_factory=set)
@@ -350,7 +360,7 @@ class Membership:
         me = self.members[self.self_id]
         me.incarnation, me.status = incarnation, "waiting"
         self.training = False
-        self.base, self.joins, self.leaves = set(), {}, {}
+        self.base, self.joins, self.leaves, self.former = set(), {}, {}, {}
         self.lives, self.early_leaves = {}, {}
         self.started = False
         self.spent = False
@@ -451,11 +461,18 @@ class Membership:
         inc = incarnation if incarnation is not None else (self.lives.get(mid) or self.life_of(mid))
         relation = self._life(mid, inc)
         if relation == "stale":
-            return False
+            return self._former_life(mid, inc, first=round)
         left = self.leaves.get(mid)
         if relation == "newer" or (left is not None and left <= round and (incarnation is None
                                                                            or mid not in self.lives)):
-            # a restarted node: a new life, announced afresh
+            # a restarted node: a new life, announced afresh; the old one is kept (see former)
+            known = self.lives.get(mid)
+            if known is not None and known != inc:
+                self._former_life(mid, known, first=-1 if mid in self.base else self.joins.get(mid), leave=left)
+            early = self.early_leaves.get(mid)
+            if early is not None and inc is not None and early[0] < inc:  # an older life's, heard before its join
+                del self.early_leaves[mid]
+                self._former_life(mid, early[0], leave=early[1])
             self.base.discard(mid)
             self.joins.pop(mid, None)
             self.leaves.pop(mid, None)
@@ -488,7 +505,7 @@ class Membership:
             return False
         relation = self._life(mid, incarnation)
         if relation == "stale":
-            return False
+            return self._former_life(mid, incarnation, leave=round)
         if relation == "newer" or (mid not in self.base and mid not in self.joins):
             if early and incarnation is not None and (mid not in self.early_leaves or self.early_leaves[mid][0] < incarnation
                                             or self.early_leaves[mid][1] > round):
@@ -507,10 +524,52 @@ class Membership:
         self.version += 1
         return True
 
-    def trains_in(self, mid: str, rnd: int) -> bool:
-        """Whether the schedule has ``mid`` train in round ``rnd``."""
+    def _former_life(self, mid: str, incarnation: int | None, *, first: int | None = None,
+                     leave: int | None = None) -> bool:
+        """Record the first round and the leave of a life of ``mid`` that a newer one
+        replaced (see :attr:`former`); the earliest of each wins."""
+        if incarnation is None or mid == self.self_id:
+            return False
+        lives = self.former.setdefault(mid, {})
+        if incarnation not in lives:
+            if len(lives) >= MAX_FORMER_LIVES:  # the oldest lives are long over
+                del lives[min(lives)]
+            lives[incarnation] = [None, None]
+        rec, changed = lives[incarnation], False
+        for i, value in ((0, first), (1, leave)):
+            if value is not None and (rec[i] is None or value < rec[i]):
+                rec[i], changed = value, True
+        if changed:
+            self.version += 1
+        return changed
+
+    def life_in(self, mid: str, rnd: int) -> tuple[bool, int | None]:
+        """Whether the schedule has ``mid`` train in round ``rnd``, and in which life
+        (None: not known).
+
+        >>> m = Membership("a:1", 1, "f")
+        >>> m.start(["a:1", "x:1"], [1, 1])
+        >>> _ = m.announce_leave("x:1", 55, 1), m.announce_join("x:1", 70, 2)
+        >>> [m.life_in("x:1", r) for r in (54, 55, 70)]  # the old life to its leave, the new one from its join
+        [(True, 1), (False, None), (True, 2)]
+        """
         start = -1 if mid in self.base else self.joins.get(mid)
-        return start is not None and start <= rnd < self.leaves.get(mid, rnd + 1)
+        if start is not None and start <= rnd < self.leaves.get(mid, rnd + 1):
+            return True, self.lives.get(mid)
+        lives = self.former.get(mid)
+        if lives:
+            for inc, (first, leave) in lives.items():
+                if first is None or rnd < first:
+                    continue
+                ends = [e for e in (leave, start if start is not None and start >= 0 else None) if e is not None]
+                ends += [f for k, (f, _) in lives.items() if k > inc and f is not None]
+                if rnd < max(first + 1, min(ends, default=rnd + 1)):
+                    return True, inc
+        return False, None
+
+    def trains_in(self, mid: str, rnd: int) -> bool:
+        """Whether the schedule has ``mid`` train in round ``rnd`` (in any life)."""
+        return self.life_in(mid, rnd)[0]
 
     def at_round(self, rnd: int) -> list[str]:
         """The ordered members that train in round ``rnd``.
@@ -519,7 +578,7 @@ class Membership:
         (its messages are simply missing until then); a joiner appears from its
         announced join round.
         """
-        ids = {m for m in self.base if self.trains_in(m, rnd)} | {m for m in self.joins if self.trains_in(m, rnd)}
+        ids = {m for m in (*self.base, *self.joins, *self.former) if self.trains_in(m, rnd)}
         return sorted(ids, key=self.order_key)
 
 

@@ -262,7 +262,7 @@ def _lists(p: Plane) -> dict:
     """The member lists ``p`` sends (the extra fields of its members message)."""
     x = p.cp._members_message().extra
     return {k: x[k] for k in ("mids", "mincs", "base", "jids", "jrounds", "lids", "lrounds", "bincs", "jincs",
-                              "lincs") if k in x}
+                              "lincs", "fids", "fincs", "fends") if k in x}
 
 
 def test_the_halves_of_a_healed_partition_meet_and_the_smaller_joins_the_larger():
@@ -355,8 +355,38 @@ def test_a_restart_seen_before_its_join_is_heard_of_does_not_cancel_the_join():
     pa.receive("members", b, status="training", rnd=50, **_lists(pb))
     assert pa.m.joins[x] == join and pa.m.at_round(join) == [a, b, x]  # the join stands
     pb.receive("members", a, status="training", rnd=50, **_lists(pa))
-    for r in (52, join - 1, join):  # and both agree who trains in every round
-        assert pa.m.at_round(r) == pb.m.at_round(r) == ([a, b, x] if r == join else [a, b])
+    # and both agree who trains in every round: the old life until its leave (members may
+    # have begun those rounds counting it), then nobody at x until the new life's join
+    for r in (52, 54, 55, join - 1, join):
+        assert pa.m.at_round(r) == pb.m.at_round(r) == ([a, b] if 55 <= r < join else [a, b, x]), r
+    assert pa.m.former[x] == pb.m.former[x] == {1: [-1, 55]}
+
+
+def test_a_restart_joined_before_its_old_life_leaves_keeps_the_old_life_in_the_rounds_before():
+    """X's old life is found dead and leaves at round 55; X restarts, and a schedules
+    its new life while b is in round 52 and c still in round 53 of an epoch both began
+    counting X. The join must not take X out of rounds that began with it: every member
+    keeps the old life to round 55, whichever of the leave and the join it heard first."""
+    a, b, c, x = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.4:1", "10.0.0.3:1"
+    planes = [Plane(n, status="training", rnd=50) for n in (a, b, c)]
+    for p in planes:
+        for other in (a, b, c, x):
+            if other != p.cp.id:
+                p.m.heard(other, 1, 0.0, status="training", round=50)
+        p.m.start([a, b, c, x])
+    pa, pb, pc = planes
+    for p in (pa, pb):  # a and b found the old life dead; c only hears of it after the join
+        p.m.remove(x, "silent")
+    assert pa.m.leaves[x] == pb.m.leaves[x] == 55 and x not in pc.m.leaves
+    pa.receive("hello", x, inc=2, status="waiting")
+    join = pa.m.joins[x]
+    assert x not in pa.m.leaves and pa.m.former[x] == {1: [-1, 55]}
+    for p in (pb, pc):
+        p.receive("members", a, status="training", rnd=50, **_lists(pa))
+        assert p.m.joins[x] == join and p.m.former[x] == {1: [-1, 55]}, p.cp.id
+    for r in (52, 54, 55, join):
+        assert pa.m.at_round(r) == pb.m.at_round(r) == pc.m.at_round(r) \
+            == sorted([a, b, c] if 55 <= r < join else [a, b, c, x]), r
 
 
 def test_a_joiner_declared_dead_before_its_join_round_leaves_after_it():

@@ -160,8 +160,9 @@ def test_joins_and_leaves_of_lives_give_one_schedule_in_any_order():
                        m.schedule_digest()))
     assert len(schedules) == 1, schedules
     (rounds, _), = schedules
-    # the record holds x's latest life (from 160; its earlier lives train no more), y from 130 to 150
-    assert rounds == ((a,), (a,), (a,), (a, y), (a, y), (a,), (a, x))
+    # x's first life to its leave at 105, its second from 120 to 140, its third from 160
+    # (each life keeps its own rounds, however late its join or leave arrives); y from 130 to 150
+    assert rounds == ((a, x), (a,), (a, x), (a, x, y), (a, y), (a,), (a, x))
 
 
 def test_the_docstring_examples_of_membership_hold():
