@@ -273,7 +273,7 @@ NODE_FLAGS = {
     "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": (float, str),
     "threads": int, "emulate": list, "curve_keys": str, "peers_file": str, "slurm": bool, "slurm_port": int,
     "progress": bool, "tensorboard": str, "clip": (float, str), "asynchronous": bool, "staleness": str, "overlap": bool, "link_policy": list,
-    "outer": str, "detector": str, "nproc_per_node": int, "intra": str, "max_restarts": int, "as_group": int,
+    "outer": str, "detector": str, "wait_for_suspects": bool, "nproc_per_node": int, "intra": str, "max_restarts": int, "as_group": int,
 }
 INTRA = ("ddp", "fsdp")  # inside a group of --nproc-per-node processes (gossip.groups.group)
 
@@ -310,6 +310,11 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="failure detector: heartbeat (every member pings every other each --heartbeat) or swim "
                         "(each pings one member per --heartbeat, with indirect probes; constant traffic per "
                         "node); every member must use the same (default: %(default)s)")
+    p.add_argument("--wait-for-suspects", action="store_true",
+                   help="a synchronous round waits for a neighbour the failure detector suspects (it failed a "
+                        "direct and the indirect probes) until it is declared dead or --timeout passes; by "
+                        "default the round goes on without it at once (a live neighbour, however slow, answers "
+                        "probes: only an unreachable one is suspected)")
     p.add_argument("--settle", type=float, default=TIMING.settle, metavar="SEC",
                    help="member set stable this long before a fresh cluster starts (default: %(default)s)")
     p.add_argument("--join-timeout", type=_positive_float("--join-timeout"), default=TIMING.join_timeout,
@@ -448,7 +453,7 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
                      resume=bool(merged.get("resume")), log=merged.get("log"), eval_every=merged["eval_every"],
                      max_message_mb=merged["max_message_mb"], curve_keys=merged.get("curve_keys"),
                      emulate=tuple(merged.get("emulate") or ()), tensorboard=merged.get("tensorboard"),
-                     detector=merged["detector"])
+                     detector=merged["detector"], wait_for_suspects=bool(merged.get("wait_for_suspects")))
     if cfg.tensorboard:
         from gossip.peer.tensorboard_log import require_tensorboard
 

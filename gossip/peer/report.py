@@ -134,6 +134,7 @@ class Reporter:
                    device=str(life.device), wall_time_s=wall_time, start_wait_s=life.start_wait,
                    train_time_s=life.train_seconds,
                    max_step_gap_s=life.max_step_gap, timed_out_rounds=life.timed_out_rounds,
+                   skipped_rounds=life.skipped_rounds,
                    recoveries=node.recoveries if node is not None else 0,
                    held_sends=node.held_sends if node is not None else 0,
                    steps_per_s=life.trained_steps / life.train_seconds if life.train_seconds > 0 else None)

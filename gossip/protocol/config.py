@@ -56,6 +56,9 @@ class PeerConfig:
     curve_keys: str | None = None        # CurveZMQ key directory (see gossip.transport.security); None: no encryption
     tensorboard: str | None = None       # TensorBoard directory: scalars of the metrics in DIR/<node id>/
     detector: str = DEFAULT_DETECTOR     # failure detector: heartbeat (all-to-all pings) or swim (gossip.protocol.swim_detector)
+    # a synchronous round waits for a neighbour the failure detector suspects until it is
+    # declared dead (or --timeout); by default the round goes on without it at once
+    wait_for_suspects: bool = False
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "--listen")
@@ -69,6 +72,8 @@ class PeerConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0 and math.isfinite(self.timeout)):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if not isinstance(self.wait_for_suspects, bool):
+            raise ValueError(f"wait_for_suspects must be true or false, got {self.wait_for_suspects!r}")
         if not (isinstance(self.max_message_mb, (int, float)) and self.max_message_mb >= 0
                 and math.isfinite(self.max_message_mb)):
             raise ValueError(f"max_message_mb must be a number >= 0, got {self.max_message_mb!r}")

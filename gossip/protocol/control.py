@@ -37,7 +37,7 @@ import logging
 import math
 import secrets
 import threading
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -57,6 +57,7 @@ log = logging.getLogger("gossip.control")
 NODE_KINDS = frozenset({"state", "state-request", "state-reply", "average"})  # handled by the node thread
 MAX_CONFLICTS = 64  # peers we remember (and answer) for refusing to mix: each costs a connection
 MAX_LOGGED = 10_000  # (peer, reason) pairs logged once each
+PACE_WINDOWS = 10  # seconds of this node's pace (rounds a second, measured each second) kept
 MAX_PROBED = 64  # members declared dead we keep saying hello to (the most recent); lists that drop us kept
 BACKOFF_MAX = 8.0  # seconds between hellos to a seed that does not answer or a member declared dead, at most
 MAX_CHALLENGED = 256  # peers not verified yet that this node answers with its token at once (each costs a connection)
@@ -224,6 +225,8 @@ class ControlPlane:
         self.now = 0.0
         self.clock = clock
         # who is alive: told of every message, asked every tick (see gossip.protocol.detector)
+        self._pace = (-math.inf, 0)  # (when, round) this node's pace was last measured from
+        self._paces: deque[float] = deque(maxlen=PACE_WINDOWS)  # rounds a second, one a second
         self._digest = ""  # the member digest the detector's messages carry (set before each call to it)
         self.detector: FailureDetector = make_detector(detector, membership, timing, self._frame)
 
@@ -348,13 +351,24 @@ class ControlPlane:
         """A detector's message of ``kind``, framed as this node's (see gossip.protocol.detector)."""
         return self._message(kind, digest=self._digest, **fields)
 
-    def _note_round(self) -> None:
+    def _note_round(self, now: float) -> None:
         """This node's round into its own record of the member table (call with ``lock``
         held). Leave and join rounds are announced past the furthest round a member
         reports (``Membership.max_round``), this node's included: a node that has just
         joined may hear no trainer but itself, and a leave it announces then must not
-        be for a round its cluster has passed."""
-        self.m.members[self.id].round = self.progress()[1]
+        be for a round its cluster has passed. Also this node's pace: the most rounds a
+        second it ran in any of its last :data:`PACE_WINDOWS` seconds (a stall of its own,
+        a wait for a dead neighbour, does not make it guess that the others stalled too):
+        see ``Membership.round_now``."""
+        rnd = self.progress()[1]
+        me = self.m.members[self.id]
+        me.round, me.round_at, self.m.clock = rnd, now, now
+        since, then = self._pace
+        if now - since >= 1.0:
+            if math.isfinite(since):
+                self._paces.append(max(0.0, (rnd - then) / (now - since)))
+                self.m.rate = max(self._paces)
+            self._pace = (now, rnd)
 
     def announce_status(self) -> Effects:
         """A ping to every member now, with this node's status (it just changed). With
@@ -394,6 +408,8 @@ class ControlPlane:
                 member = self.m.members.get(peer)
                 if member is not None:
                     self.detector.heard(peer, self.now)
+                    if msg.kind == "state":
+                        member.heard_state(self.now)
             if member is None:
                 self.reject(peer, "not-member", f"{msg.kind} from a node that is not a member")
                 return
@@ -450,7 +466,7 @@ class ControlPlane:
             return fx
         self.seeds.pop(peer, None)  # it answered: stop retrying it as a seed
         with self.lock:
-            self._note_round()
+            self._note_round(now)
             new_member, reply = self._update(msg, f, now, fx)
             fx.reconnect = self.m.take_renewed()
         if reply:
@@ -667,7 +683,7 @@ class ControlPlane:
                 state[0] = now + state[1]
                 state[1] = min(state[1] * 2, BACKOFF_MAX)  # exponential backoff, capped
         with self.lock:
-            self._note_round()
+            self._note_round(now)
             for mid in verdicts.dead:
                 if self.m.remove(mid, f"silent for more than {self.timing.dead_after:g} s"):
                     fx.dead.append(mid)
@@ -770,7 +786,7 @@ class ControlPlane:
 
     def _drop(self, mid: str, reason: str, fx: Effects) -> None:
         with self.lock:
-            self._note_round()
+            self._note_round(self.now)
             if not self.m.remove(mid, reason):
                 return
             self.last_change = self.now

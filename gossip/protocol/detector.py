@@ -23,6 +23,11 @@ says is :class:`~gossip.protocol.effects.Verdicts`, effects like the control pla
     life and member digest, as a ``ping`` would carry them
 ``new_life(incarnation)``
     this node starts a new life: the detector starts afresh at it
+``suspected(member) -> bool``
+    whether the detector holds the member's current life unreachable now (SWIM: it
+    failed a direct probe and the indirect ones, or another member said so, and has
+    not refuted it yet): a synchronous round stops waiting for it (see
+    ``Lifecycle.gone``). The heartbeat detector suspects nobody.
 
 The control plane acts on the verdicts: a dead member is removed (its leave
 round announced), a suspected one is only logged.
@@ -58,6 +63,8 @@ class FailureDetector(Protocol):
     def control_view(self, msg: Message) -> Message: ...
 
     def new_life(self, incarnation: int) -> None: ...
+
+    def suspected(self, member: str) -> bool: ...
 
 
 def mark_heard(membership: Membership, member: str, now: float) -> None:
@@ -110,6 +117,9 @@ class HeartbeatDetector:
 
     def new_life(self, incarnation: int) -> None:
         pass  # its memory is the member table's last_seen, which a new life keeps
+
+    def suspected(self, member: str) -> bool:
+        return False  # silence is all it knows, and a silent member is waited for until removed
 
     def tick(self, now: float) -> Verdicts:
         out = Verdicts()

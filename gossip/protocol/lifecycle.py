@@ -61,6 +61,7 @@ log = logging.getLogger("gossip.peer")
 
 LATE_ROUNDS = 3  # synchronous rounds timed out in a row before the node looks for a neighbour out of step
 AHEAD = 4  # state messages held for a member list not adopted yet (see Lifecycle.ahead)
+SILENT_GAPS = 4  # a suspect silent for this many of its usual gaps between state messages is not waited for
 POLL = 0.05  # seconds between looks at the member table while waiting (a driver may wake earlier)
 
 
@@ -136,6 +137,7 @@ class Lifecycle:
         self.trained_steps = 0
         self.max_step_gap = 0.0
         self.timed_out_rounds = 0  # synchronous rounds that waited --timeout in vain
+        self.skipped_rounds = 0  # synchronous rounds that went on without a suspected neighbour (see gone)
         self.late = 0  # of which in a row (reset by a round that completed)
         self.node_rejected: Counter[str] = Counter()
         self.topologies: dict[tuple, Any] = {}
@@ -561,20 +563,35 @@ class Lifecycle:
             if self.stop.is_set() or self.excluded is not None:
                 return now
             with self.lock:
-                if all(self.gone(e, node.round) for e in node.awaited()):
-                    return now  # mix without the dead; a live neighbour's message is worth its wait
+                awaited = node.awaited()
+                if all(self.gone(e, node.round) for e in awaited):
+                    # mix without the dead and the suspects; a live neighbour's message is worth its wait
+                    if any(e in self.membership.members and self.membership.trains_in(e, node.round)
+                           for e in awaited):
+                        self.skipped_rounds += 1  # (one still in the table: suspected, or a new life)
+                    return now
             now = yield Poll(min(remaining, POLL))
         self.late = 0
         return now
 
     def gone(self, mid: str, rnd: int) -> bool:
-        """Whether the life of ``mid`` that round ``rnd`` waits for will send nothing more
-        (call with the lock held): it is dead, or the schedule no longer has it train in
-        that round, or it has a new life (a restart at the same address, which may answer
-        every probe before its old life is declared dead)."""
+        """Whether round ``rnd`` waits for ``mid`` no longer (call with the lock held): it
+        is dead, or the schedule no longer has it train in that round, or it has a new life
+        (a restart at the same address, which may answer every probe before its old life
+        is declared dead), or it is *silent* (unless ``--wait-for-suspects``): the failure
+        detector suspects it (it did not answer a probe, direct or through others) and
+        nothing at all came from it for :data:`SILENT_GAPS` times its usual gap between
+        two state messages. Both are needed. A live process answers probes on its I/O
+        thread whatever its training does, so a neighbour that is slow, or waits for a
+        dead neighbour of its own, is not suspected and is waited for. A neighbour behind
+        a slow link may be suspected (its answers come later than the probe timeout), but
+        its messages keep coming as often as ever, so it is waited for too. A crashed or
+        stopped one is both, within about a probe period."""
         m = self.membership.members.get(mid)
         trains, life = self.membership.life_in(mid, rnd)
-        return m is None or not trains or (life is not None and m.incarnation != life)
+        return m is None or not trains or (life is not None and m.incarnation != life) \
+            or (not self.cfg.wait_for_suspects and self.control.detector.suspected(mid)
+                and self.control.now - m.last_seen > SILENT_GAPS * m.state_gap)
 
     def out_of_step(self, awaited: list[str]) -> None:
         """Rounds keep timing out while the neighbours waited for are alive: say so, and

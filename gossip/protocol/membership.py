@@ -87,6 +87,16 @@ class Member:
     dc: str = ""
     fingerprint: str = ""
     status_at: float = -math.inf  # when it last told us its status itself (a control message)
+    round_at: float = -math.inf   # when it last told us its round
+    state_at: float = -math.inf   # when its last state message arrived
+    state_gap: float = math.inf   # its usual time between two state messages (a moving average)
+
+    def heard_state(self, now: float) -> None:
+        """A state message from this member arrived at ``now``."""
+        gap = now - self.state_at
+        if math.isfinite(gap) and gap >= 0:
+            self.state_gap = gap if not math.isfinite(self.state_gap) else 0.8 * self.state_gap + 0.2 * gap
+        self.state_at = now
 
 
 @dataclass
@@ -156,6 +166,10 @@ class Membership:
     # in the schedule until its leave round, and every member must order it (and build
     # a hierarchical graph) as those that have not found it dead yet do
     labels: dict[str, str] = field(default_factory=dict)
+    # the control plane's clock at its last tick, and this node's rounds a second then
+    # (see round_now)
+    clock: float = -math.inf
+    rate: float = 0.0
 
     def __post_init__(self) -> None:
         self.members[self.self_id] = Member(self.self_id, self.incarnation, 0.0, "waiting", dc=self.dc,
@@ -205,6 +219,17 @@ class Membership:
         ours = self.eventual() | {self.self_id}
         return max((m.round for k, m in self.members.items() if k in ours), default=0)
 
+    def round_now(self) -> int:
+        """The furthest round a training member of this node's cluster may be in now: what
+        each last reported, plus the rounds this node ran since (its own pace, ``rate``
+        rounds a second as of ``clock``; both set by the control plane). Rounds that go on
+        without a suspected member split the ring into stretches that no longer wait for
+        each other, and a stretch may run far past what its last report said."""
+        ours = self.eventual() | {self.self_id}
+        late = [m.round + (self.rate * max(0.0, self.clock - m.round_at) if m.status == "training" else 0.0)
+                for k, m in self.members.items() if k in ours]
+        return max(math.ceil(max(late, default=0)), self.max_round())
+
     # -- updates ----------------------------------------------------------------------------
     def heard(self, sender: str, incarnation: int | None, now: float, *, status: str | None = None,
               round: int | None = None, step: int | None = None, dc: str | None = None,
@@ -237,7 +262,7 @@ class Membership:
             m.status = status
             m.status_at = now
         if round is not None:
-            m.round = round
+            m.round, m.round_at = round, now
         if step is not None:
             m.step = step
         if dc is not None:
@@ -310,7 +335,7 @@ class Membership:
 
     def _leave_of_dead(self, mid: str, incarnation: int | None) -> bool:
         """Announce this node's own death verdict on ``mid``: it leaves a margin ahead."""
-        return self.announce_leave(mid, max(self.max_round() + self.timing.leave_margin, self.joins.get(mid, -1) + 1),
+        return self.announce_leave(mid, max(self.round_now() + self.timing.leave_margin, self.joins.get(mid, -1) + 1),
                                    incarnation, early=False)
 
     def orphaned(self) -> bool:

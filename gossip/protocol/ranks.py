@@ -109,7 +109,8 @@ class GroupLead:
         life = self.life
         with life.lock:
             node = life.node
-            version = (life.membership.version, node.round if node is not None else None)
+            suspects = tuple(m for m in node.members if life.control.detector.suspected(m)) if node is not None else ()
+            version = (life.membership.version, node.round if node is not None else None, suspects)
             if version == self._alive_version:
                 return
             self._alive_version = version

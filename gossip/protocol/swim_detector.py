@@ -119,6 +119,12 @@ class SwimDetector:
         # SWIM needs its own messages; the member table's last_seen is read elsewhere too
         mark_heard(self.m, member, now)
 
+    def suspected(self, member: str) -> bool:
+        """Whether SWIM holds the table's life of ``member`` suspect (or dead, while that
+        verdict is doubted): it did not answer a probe, direct or indirect, since."""
+        m, rec = self.m.members.get(member), self.swim.state(member)
+        return m is not None and rec is not None and rec[0] in (SUSPECT, DEAD) and rec[1] >= m.incarnation
+
     def tick(self, now: float) -> Verdicts:
         out = Verdicts()
         # a stall of this process: SWIM gives its suspicions the time back itself

@@ -607,6 +607,7 @@ class SimCluster:
                 "merges": life.merges if life else 0, "state_from": life.state_from if life else None,
                 "resumed_from": life.resumed_from if life else None,
                 "timed_out_rounds": life.timed_out_rounds if life else 0,
+                "skipped_rounds": life.skipped_rounds if life else 0,
                 "max_step_gap_s": life.max_step_gap if life else 0.0,
                 "start_wait_s": life.start_wait if life else None,
                 "neighbor_distance": node.neighbor_distance() if node else float("nan"),

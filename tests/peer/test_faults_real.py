@@ -59,9 +59,13 @@ def test_killing_two_of_eight_nodes_costs_only_their_work(tmp_path):
     # machine's own hiccups (the clean run's longest gap, at least 1.25 s), and never
     # as long as a round that waits out --timeout (5 s) for a dead neighbour
     bound = min(2.0 + 0.25 + max(1.25, max(s["max_step_gap_s"] for s in clean)), 4.9)
+    # (the rounds go on without the two once they are suspected and silent: a survivor may
+    # finish before the round their leave takes effect, with them still in its topology)
     for s in faulty:
-        assert s["steps"] == steps and s["members"] == 6, s
+        assert s["steps"] == steps and s["timed_out_rounds"] == 0, s
         assert s["max_step_gap_s"] < bound, (s["max_step_gap_s"], bound)
+    for v in victims:
+        assert all(f"member {v.addr} removed: silent" in x.log() for x in survivors), v.addr
     acc = lambda rs: sum(r["final_accuracy"] for r in rs) / len(rs)  # noqa: E731
     assert acc(faulty) >= acc(clean) - 0.01, (acc(faulty), acc(clean))
 

@@ -346,8 +346,11 @@ def test_real_nodes_with_swim_detect_a_kill_and_finish_without_it(tmp_path):
         logs = [x.log() for x in survivors]
     gone = f"member {victim.addr} removed: silent"
     assert any(gone in log for log in logs), logs[0][-3000:]
+    # the rounds went on without the suspect (the survivors may finish before its leave
+    # round, with it still in their topology): none waited out --timeout for it
     for s in summaries:
-        assert s["steps"] == steps and s["members"] == n - 1 and s["rejected"] == {}, s
+        assert s["steps"] == steps and s["timed_out_rounds"] == 0 and s["rejected"] == {}, s
+    assert sum(s["skipped_rounds"] for s in summaries) >= 1, summaries
 
 
 @pytest.mark.slow

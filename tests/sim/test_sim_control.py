@@ -475,3 +475,38 @@ def test_explored_schedules_that_once_failed_hold_every_invariant(seed, detector
 
     s = explore.draw(seed, groups=False)
     assert explore.check(explore.run_schedule(s, str(tmp_path), detector), s.settles) == []
+
+
+def _rounds_around(fault: str, wait: bool, steps: int = 400) -> list[dict]:
+    from gossip.transport.links import LinkModel
+
+    extra = dict(configure=lambda i: {"dc": "east" if i < 4 else "west"}, topology="hierarchical:4,4",
+                 inter_link=LinkModel(latency=0.3, bandwidth=1e8)) if fault == "wan" else {}
+    c = SimCluster(8, steps=steps, dead_after=2.0, wait_for_suspects=wait, **extra)
+    if fault == "kill":
+        c.crash(2, at=3.0)
+        c.crash(5, at=3.0)
+    c.run(until=600.0)
+    rs = c.results()
+    live = [r for i, r in enumerate(rs) if fault != "kill" or i not in (2, 5)]
+    assert all(r["exit"] == "done" and r["steps"] == steps and r["timed_out_rounds"] == 0 for r in live), live
+    return live
+
+
+def test_rounds_go_on_without_a_crashed_neighbour_once_it_is_suspected_and_silent():
+    """Two of eight crash: the rounds around them stop waiting once SWIM suspects them
+    and they have been silent for 4 of their usual gaps (about a second here), not when
+    they are removed (--dead-after 2 after the first failed probe)."""
+    rule, wait = _rounds_around("kill", False), _rounds_around("kill", True)
+    gap_rule, gap_wait = max(r["max_step_gap_s"] for r in rule), max(r["max_step_gap_s"] for r in wait)
+    assert gap_wait > 2.0 and gap_rule < 0.6 * gap_wait, (gap_rule, gap_wait)
+    assert sum(r["skipped_rounds"] for r in rule) > 0 and sum(r["skipped_rounds"] for r in wait) == 0
+
+
+def test_a_neighbour_behind_a_slow_link_is_waited_for_though_suspected():
+    """Two datacenters 0.3 s apart one way: SWIM's probes across (0.2 s timeout) fail and
+    suspect the far side, yet its state messages come as often as ever: no round goes on
+    without it, and the run ends bit-identical to one that waits for suspects."""
+    rule, wait = _rounds_around("wan", False, steps=60), _rounds_around("wan", True, steps=60)
+    assert [r["skipped_rounds"] for r in rule] == [0] * 8, rule
+    assert [r["params_sha256"] for r in rule] == [r["params_sha256"] for r in wait]
