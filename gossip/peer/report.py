@@ -122,9 +122,6 @@ class Reporter:
                    bytes_intra=by_class.get("intra", 0), bytes_inter=by_class.get("inter", 0),
                    dropped=sum(transport.dropped.values()),
                    rejected={k: v for k, v in sorted(rejected.items()) if v},
-                   # control messages that did not send this node's token back (a first contact;
-                   # a stranger's made-up ids; see gossip.protocol.control)
-                   unverified=life.control.unverified,
                    # ROUTER connection events; a message above max_message_bytes is dropped by
                    # ZeroMQ, which closes the sender's connection: it shows up as "disconnected"
                    connections=dict(sorted(transport.events.items())),

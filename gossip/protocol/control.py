@@ -10,17 +10,6 @@ and tells everyone. It keeps saying hello to members declared dead, so that the
 two halves of a partition that healed meet again: then the smaller cluster's
 members join the larger one as new lives (see ``foreign`` in ``_control``).
 
-A peer's word counts only once it has answered this node at its address: every
-control message carries a token (``tok``, a keyed hash of the destination's id,
-so only whoever receives at that address learns it) and sends back the last
-token its destination gave it (``echo``). A control message whose echo is not
-this node's token for the sender changes nothing; the sender gets a ``hello``
-with the token instead (rate-limited), and counts from its next message. So a
-stranger that makes up ids, or sends in another node's name, without receiving
-at that address, can neither become a member nor speak for one. Ids read in
-another member's list are not members either until they answer a ``hello``
-themselves.
-
 Every field of every control message is checked before use; a bad one is
 counted and logged once per peer and reason, and changes nothing. State
 messages (and state requests and replies) from a sender that is not a member
@@ -31,11 +20,8 @@ cycling through made-up ids cannot grow this node's memory.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import math
-import secrets
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -60,11 +46,6 @@ MAX_LOGGED = 10_000  # (peer, reason) pairs logged once each
 PACE_WINDOWS = 10  # seconds of this node's pace (rounds a second, measured each second) kept
 MAX_PROBED = 64  # members declared dead we keep saying hello to (the most recent); lists that drop us kept
 BACKOFF_MAX = 8.0  # seconds between hellos to a seed that does not answer or a member declared dead, at most
-MAX_CHALLENGED = 256  # peers not verified yet that this node answers with its token at once (each costs a connection)
-CHALLENGE_RATE = 10.0  # tokens sent a second, at most, to senders this node has no reason to expect (burst: twice)
-MAX_HEARD_OF = 128  # ids read in member lists that this node says hello to at once, before they count
-MAX_ECHOES = 8192  # verified peers whose tokens this node sends back
-TOKEN_CHARS = 64  # the longest answer token accepted
 
 
 def _str_list(x: dict, key: str, limit: int = 4096, min_len: int = 1) -> list[str] | None:
@@ -162,7 +143,6 @@ class ControlPlane:
     progress : returns this node's (status, round, step)
     timing : the protocol's timings (:class:`~gossip.protocol.timing.Timing`)
     seeds : ``HOST:PORT`` ids to contact until they answer
-    secret : the key of this node's answer tokens (default: random, per process)
     reconnect : ``reconnect(peer)`` when a member came back: open a fresh connection
     excluded : ``excluded(round, by, cluster, merge)`` when this node, alive and
         training, must join ``cluster`` (the members ``by`` trains with) as a new
@@ -185,17 +165,8 @@ class ControlPlane:
                  progress: Callable[[], tuple[str, int, int]], *, timing: Timing,
                  seeds: tuple[str, ...] = (), reconnect: Callable[[str], None] | None = None,
                  excluded: Callable[[int, str], None] | None = None,
-                 clock: Callable[[], float] | None = None, detector: FailureDetector | str | None = None,
-                 secret: bytes | None = None) -> None:
+                 clock: Callable[[], float] | None = None, detector: FailureDetector | str | None = None) -> None:
         self.id, self.incarnation, self.fingerprint, self.dc = node_id, incarnation, fingerprint, dc
-        # the key of this process's answer tokens (see token); a simulated peer passes its own
-        self._key = secret if secret is not None else secrets.token_bytes(16)
-        self.echoes: dict[str, str] = {}  # verified peer -> the token it gave this node (sent back to it)
-        # unverified peer -> (when this node last sent it its token, whether it said hello)
-        self.challenged: dict[str, tuple[float, bool]] = {}
-        self.heard_of: dict[str, float] = {}  # id read in a member list -> when this node said hello to it
-        self.unverified = 0  # control messages that did not send this node's token back (first contacts)
-        self._allowance = (2 * CHALLENGE_RATE, 0.0)  # (tokens this node may send strangers now, as of when)
         self.m = membership
         self.lock = lock
         self.send = send
@@ -250,71 +221,6 @@ class ControlPlane:
         if replace or peer not in self.conflicts:
             self.conflicts[peer] = why
         return True
-
-    def token(self, peer: str) -> str:
-        """This node's answer token for ``peer``: only a node that receives at ``peer``'s
-        address learns it, and a message that sends it back comes from there."""
-        return hashlib.blake2b(peer.encode(errors="replace"), key=self._key, digest_size=8).hexdigest()
-
-    def _stamped(self, dst: str, msg: Message, echo: str | None = None) -> Message:
-        """``msg`` as it goes to ``dst``: with this node's token for ``dst`` and the last
-        token ``dst`` gave this node (``echo``, when given, instead)."""
-        x = dict(msg.extra)
-        x["tok"] = self.token(dst)
-        echo = echo if echo is not None else self.echoes.get(dst)
-        if echo is not None:
-            x["echo"] = echo
-        return dataclasses.replace(msg, extra=x)
-
-    def _verified(self, peer: str, msg: Message) -> Message | None:
-        """``msg`` (a control message) if it sends this node's token for ``peer`` back:
-        then ``peer`` answered this node at its address, and its token is kept. Otherwise
-        None: ``peer`` gets a ``hello`` with the token (at most once per heartbeat, and
-        to :data:`MAX_CHALLENGED` unverified peers at once), and the message changes
-        nothing. A peer whose hello was answered so answers with its member list: that
-        first verified list is taken as the hello it stands for (a joiner's join is
-        scheduled on it, not a heartbeat later)."""
-        tok = msg.extra.get("tok")
-        if not isinstance(tok, str) or not 0 < len(tok) <= TOKEN_CHARS:
-            self.reject(peer, "token", "a control message without its sender's answer token")
-            return None
-        if msg.extra.get("echo") == self.token(peer):
-            if peer not in self.echoes and len(self.echoes) >= MAX_ECHOES:
-                with self.lock:
-                    self.echoes = {k: v for k, v in self.echoes.items() if k in self.m.members}
-            if len(self.echoes) < MAX_ECHOES or peer in self.echoes:
-                self.echoes[peer] = tok
-            self.heard_of.pop(peer, None)
-            challenge = self.challenged.pop(peer, None)
-            if challenge is not None and challenge[1] and msg.kind == "members":
-                return dataclasses.replace(msg, kind="hello")
-            return msg
-        self.unverified += 1
-        now = self.now
-        last = self.challenged.get(peer)
-        if last is not None and now - last[0] < self.timing.heartbeat:
-            return None  # answered a moment ago
-        if last is None and len(self.challenged) >= MAX_CHALLENGED:
-            return None  # (expired in tick)
-        if not self._expected(peer):
-            # a sender this node has no reason to expect: from a budget, so that a flood of
-            # made-up ids costs a few connections a second, not one per message
-            allowance, since = self._allowance
-            allowance = min(2 * CHALLENGE_RATE, allowance + (now - since) * CHALLENGE_RATE)
-            if allowance < 1:
-                self._allowance = (allowance, now)
-                return None
-            self._allowance = (allowance - 1, now)
-        self.challenged[peer] = (now, msg.kind == "hello" or (last is not None and last[1]))
-        self.send(peer, self._stamped(peer, self._members_message("hello"), echo=tok))
-        return None
-
-    def _expected(self, peer: str) -> bool:
-        """Whether this node has a reason to hear from ``peer``: a seed, an id it said hello
-        to, a member (or a member declared dead), or a peer that answered it before (a
-        restarted process has a new token)."""
-        return peer in self.seeds or peer in self.heard_of or peer in self.echoes or peer in self.m.members \
-            or peer in self.m.dead
 
     def _message(self, kind: str, **extra: Any) -> Message:
         status, rnd, step = self.progress()
@@ -415,9 +321,6 @@ class ControlPlane:
                 return
             self.to_node(msg)  # the node thread checks membership, fingerprint, payload
             return
-        msg = self._verified(peer, msg)  # type: ignore[assignment]
-        if msg is None:
-            return
         try:
             effects = self.handle(msg, self.now)
         except (ValueError, TypeError, KeyError) as e:
@@ -434,13 +337,13 @@ class ControlPlane:
             # a connection that kept retrying a dead life backs off for seconds: start afresh
             self.reconnect(mid)
         for dst, msg in fx.sends:
-            self.send(dst, self._stamped(dst, msg))
+            self.send(dst, msg)
         if fx.broadcasts:
             with self.lock:
                 others = self.m.others()
             for msg in fx.broadcasts:
                 for peer in others:
-                    self.send(peer, self._stamped(peer, msg))
+                    self.send(peer, msg)
 
     def handle(self, msg: Message, now: float) -> Effects:
         """One control message (hello, members, ping, pong, bye, swim) from ``msg.sender`` at
@@ -563,11 +466,7 @@ class ControlPlane:
         self.m.heard(peer, inc, now, status=status, round=msg.round, step=msg.progress, dc=f.dc,
                      fingerprint=msg.fingerprint)
         if f.mids is not None and f.mincs is not None:
-            # ids this node does not know count only once they answer a hello themselves
-            for mid in self.m.merge(zip(f.mids, f.mincs), now):
-                if mid not in self.heard_of and mid not in self.seeds and len(self.heard_of) < MAX_HEARD_OF:
-                    self.heard_of[mid] = now
-                    fx.sends.append((mid, self._members_message("hello")))
+            self.m.merge(zip(f.mids, f.mincs), now)
             if f.mdcs is not None and len(f.mdcs) == len(f.mids):
                 for mid, mdc in zip(f.mids, f.mdcs):
                     if mid in self.m.members and not self.m.members[mid].dc:
@@ -708,19 +607,7 @@ class ControlPlane:
             self._probe(now, lost, fx)
         if self.excluded_by and now - self.excluded_since >= 1.5 * self.timing.dead_after:
             self._judge_exclusion(now, fx)
-        self._expire_unverified(now, fx)
         return fx
-
-    def _expire_unverified(self, now: float, fx: Effects) -> None:
-        """Forget the peers that never answered the token sent to them (or the hello sent
-        to an id read in a list) within ``dead_after``, and close their connections."""
-        for table in (self.challenged, self.heard_of):
-            old = [p for p, t in table.items() if now - (t[0] if isinstance(t, tuple) else t) > self.timing.dead_after]
-            for p in old:
-                del table[p]
-            with self.lock:
-                fx.reconnect += [p for p in old if p not in self.m.members and p not in self.seeds
-                                 and p not in self.probes and p != self.id]
 
     def _to_all(self, fx: Effects, msg: Message) -> None:
         """``msg`` to every other member as the table stands now."""
@@ -812,8 +699,7 @@ class ControlPlane:
     def settled(self, now: float, settle: float, *, seeds: bool = True) -> tuple[bool, str]:
         """Whether a fresh cluster may start: every known member waits for the start,
         reports our member set, and the set has not changed for ``settle`` seconds.
-        With ``seeds``, also every ``--peers`` seed of every member has answered, and
-        every id a member's list names has answered this node (or was forgotten): two
+        With ``seeds``, also every ``--peers`` seed of every member has answered: two
         halves of a cluster that came up at different speeds must not start apart.
         After a stall of this process, each member must have spoken again since: the
         rest may have started without it meanwhile. The second value says what is
@@ -826,9 +712,6 @@ class ControlPlane:
             waiting_for_seeds = sorted(self.seeding.intersection(self.m.members)) if seeds else []
             if waiting_for_seeds:
                 return False, f"{waiting_for_seeds[0]} waits for one of its seeds"
-            if seeds and self.heard_of:
-                # a member named it: it counts once it answers (or is forgotten after dead_after)
-                return False, f"{next(iter(self.heard_of))}, named by a member, has not answered yet"
             mine = self.m.digest()
             for mid, member in self.m.members.items():
                 if mid == self.id:

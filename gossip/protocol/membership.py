@@ -273,15 +273,13 @@ class Membership:
             self.version += 1
         return changed
 
-    def merge(self, reported: Iterable[tuple[str, int]], now: float) -> list[str]:
-        """Take what another member reports (``(id, incarnation)`` pairs) of the members
-        this node knows: a newer life of one of them replaces the one in the table (it
-        counts as heard ``now``; if it is really gone, our own detector removes it again).
-        Returns the ids it reports that this node does not know (and whose lives it did
-        not see die or leave): they are not members until they answer this node
-        themselves (see ``ControlPlane``: their hello)."""
+    def merge(self, reported: Iterable[tuple[str, int]], now: float) -> bool:
+        """Add members another node reports (``(id, incarnation)`` pairs).
+
+        A reported member counts as heard ``now`` (its reporter heard it
+        recently); if it is really gone, our own detector removes it again.
+        """
         changed = False
-        unknown = []
         for mid, inc in reported:
             if mid == self.self_id:
                 continue
@@ -290,16 +288,14 @@ class Membership:
                 continue
             if self.dead.get(mid, -1) >= inc or self.departed.get(mid, -1) >= inc:
                 continue
-            if m is None:
-                unknown.append(mid)
-                continue
             self.members[mid] = Member(mid, inc, now)
             self.renewed.add(mid)
-            log.info("member %s restarted (incarnation %d -> %d), as a member list says", mid, m.incarnation, inc)
+            self.dead.pop(mid, None)
+            log.info("member %s learned from a member list", mid)
             changed = True
         if changed:
             self.version += 1
-        return unknown
+        return changed
 
     def remove(self, mid: str, reason: str, *, departed: bool = False, now: float | None = None) -> bool:
         """Drop ``mid``; returns True if it was a member.

@@ -331,8 +331,7 @@ class SimCluster:
                            send=lambda dst, msg, p=p: self._send(p, dst, msg, False),
                            reconnect=lambda peer: None, origin=local(self.now), clock=lambda: local(self.now),
                            new_incarnation=lambda prev: max(10**6 + int(local(self.now) * 1e6), prev + 1),
-                           model=None if group is None else ShardModule(group.views[0].flat),
-                           secret=f"{p.id}/{first}".encode())
+                           model=None if group is None else ShardModule(group.views[0].flat))
         p.life.audit = True  # record the states handed over and taken (gossip.sim.explore checks them)
         p.life.on_node = lambda node, p=p: self._audit_mixing(p, node)
         if group is None:

@@ -133,7 +133,7 @@ def test_peer_speaking_another_protocol_version_is_ignored(tmp_path):
             s.connect(f"tcp://{n.addr}")
             hdr = msgpack.packb({"kind": "hello", "from": "127.0.0.1:1", "x": {"inc": 1, "status": "waiting"}})
             for _ in range(20):
-                s.send_multipart([b"GSP/1", hdr])  # (an older node)
+                s.send_multipart([b"GSP/2", hdr])
                 time.sleep(0.05)
             s.close(0)
         finally:
@@ -141,7 +141,7 @@ def test_peer_speaking_another_protocol_version_is_ignored(tmp_path):
         assert c.wait_all(90) == [0]
         summary = n.summary()
     assert summary["rejected"].get("version", 0) >= 1 and summary["steps"] == 300
-    assert "peer speaks GSP/1, this node GSP/2" in n.log()
+    assert "peer speaks GSP/2, this node GSP/1" in n.log()
 
 
 def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path):
@@ -277,8 +277,8 @@ def test_a_member_declared_dead_stays_behind_the_emulated_cut():
         peer.life.topology_for(sorted([me, west, east, "127.0.0.1:4"]))
         assert (peer._link_class(me, west), peer._link_class(me, east)) == ("inter", "intra")
         assert not crosses(west) and crosses(east)
-        with peer.lock:  # back as a new life whose first word carries no label
-            assert peer.membership.heard(west, 2, 1.0) and peer.membership.members[west].dc == ""
+        with peer.lock:  # learned again (a new life) from another member's list: no label in it
+            assert peer.membership.merge([(west, 2)], 1.0) and peer.membership.members[west].dc == ""
         assert peer._link_class(me, west) == "inter" and not crosses(west)
         assert peer._link_class(me, "127.0.0.1:3") == "intra"  # never labelled: this node's own
     finally:

@@ -43,8 +43,7 @@ class Plane:
                 **extra) -> None:
         from gossip.transport import wire
 
-        # (the sender answered this node before: it sends this node's token back)
-        x = {"inc": inc, "status": status, "dc": "", "tok": "t", "echo": self.cp.token(sender), **extra}
+        x = {"inc": inc, "status": status, "dc": "", **extra}
         frames = wire.encode(Message(kind, sender, rnd, 0, 0, None, None, x, FP))
         self.cp.on_frames(sender.encode(), [bytes(memoryview(f)) for f in frames])
 

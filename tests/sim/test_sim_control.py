@@ -118,21 +118,6 @@ def test_a_listed_node_that_never_answers_holds_the_start_back_for_start_hold_on
     assert rs[4]["joined"] and rs[4]["state_from"] is not None and rs[4]["exit"] == "done", rs[4]
 
 
-def test_nodes_behind_a_slow_link_start_as_one_cluster():
-    """Two datacenters 0.6 s apart, each node seeded with the next: an id read in a
-    member's list counts only once it answers this node (1.2 s and more here), and
-    until then it holds the start back as a member would. When it did not, each
-    datacenter settled on its own two and started apart (then merged)."""
-    from gossip.transport.links import LinkModel
-
-    c = SimCluster(4, steps=80, configure=lambda i: {"dc": "east" if i < 2 else "west"},
-                   inter_link=LinkModel(latency=0.6, bandwidth=1e9))
-    c.run(until=200.0)
-    rs = c.results()
-    assert all(r["exit"] == "done" and r["members"] == 4 and r["rejoins"] == 0 and not r["joined"] for r in rs), rs
-    assert [r["timed_out_rounds"] for r in rs] == [0, 0, 0, 0], rs
-
-
 @pytest.mark.parametrize("group", [1, 2])
 def test_a_restart_faster_than_detection_costs_no_member_a_timed_out_round(group):
     """A member killed and back at the same address 0.2 s later, long before its old life
@@ -244,7 +229,7 @@ def test_bad_frames_from_a_member_change_nothing_and_are_counted():
         if attack:
             good = Message("state", node_id(1), 5, 5, 99, None, None, {}, c.fingerprint)
             frames = [bytes(memoryview(f).cast("B")) for f in wire.encode(good)]
-            for k, bad in enumerate(([b"junk"], [wire.TAG, b"\xc1"], frames)):
+            for k, bad in enumerate(([b"junk"], [b"GSP/1", b"\xc1"], frames)):
                 c.at(1.5 + 0.1 * k, "inject", lambda bad=bad: c._receive(c.procs[0], node_id(1), bad))
             c.at(1.9, "forged", lambda: c._receive(c.procs[0], node_id(2), frames))
         c.run(until=60.0)
