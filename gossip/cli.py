@@ -313,8 +313,9 @@ def build_node_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-for-suspects", action="store_true",
                    help="a synchronous round waits for a neighbour the failure detector suspects (it failed a "
                         "direct and the indirect probes) until it is declared dead or --timeout passes; by "
-                        "default the round goes on without it at once (a live neighbour, however slow, answers "
-                        "probes: only an unreachable one is suspected)")
+                        "default the round goes on without a suspect that also sent nothing for 4 of its usual "
+                        "gaps between messages (a live neighbour answers probes, however slow its training; "
+                        "one behind a slow link keeps sending)")
     p.add_argument("--settle", type=float, default=TIMING.settle, metavar="SEC",
                    help="member set stable this long before a fresh cluster starts (default: %(default)s)")
     p.add_argument("--join-timeout", type=_positive_float("--join-timeout"), default=TIMING.join_timeout,

@@ -57,7 +57,8 @@ class PeerConfig:
     tensorboard: str | None = None       # TensorBoard directory: scalars of the metrics in DIR/<node id>/
     detector: str = DEFAULT_DETECTOR     # failure detector: heartbeat (all-to-all pings) or swim (gossip.protocol.swim_detector)
     # a synchronous round waits for a neighbour the failure detector suspects until it is
-    # declared dead (or --timeout); by default the round goes on without it at once
+    # declared dead (or --timeout); by default the round goes on without one that is
+    # suspected and silent (see Lifecycle.gone)
     wait_for_suspects: bool = False
 
     def __post_init__(self) -> None:

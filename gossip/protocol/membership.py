@@ -29,6 +29,7 @@ log = logging.getLogger("gossip.membership")
 
 MAX_FORMER_LIVES = 4  # earlier lives of one member whose rounds are kept (see Membership.former)
 
+
 def cluster_after(base: Iterable[str], joins: Iterable[str], leaves: Iterable[str]) -> set[str]:
     """Who trains once every announced join and leave has taken effect: the
     starters and joiners, less those announced to leave.
