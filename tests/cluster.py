@@ -126,19 +126,21 @@ def records(metrics: Path) -> list[dict]:
     return [json.loads(ln) for ln in text.splitlines() if ln.endswith("}")]
 
 
-def wait_for_step(metrics: Path, step: int, timeout: float, since: int = 0) -> dict:
+def wait_for_step(metrics: Path, step: int, timeout: float, since: int = 0, *, members: int | None = None) -> dict:
     """Wait until the ``--log`` JSON-lines file ``metrics`` holds a record at ``step``
-    or later among its records after the first ``since``; returns the first such
-    record (what the node reported while it still trained, before any stop the caller
-    sends next). ``since`` skips what an earlier life wrote: a node that joined
-    another cluster takes that cluster's step, which may be below its own."""
+    or later among its records after the first ``since`` (and, with ``members``, that
+    counts that many members); returns the first such record (what the node reported
+    while it still trained, before any stop the caller sends next). ``since`` skips
+    what an earlier life wrote: a node that joined another cluster takes that
+    cluster's step, which may be below its own."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for rec in records(metrics)[since:]:
-            if rec.get("step", 0) >= step:
+            if rec.get("step", 0) >= step and members in (None, rec.get("members")):
                 return rec
         time.sleep(0.1)
-    raise AssertionError(f"{metrics} did not reach step {step} (after record {since}) in {timeout} s")
+    counting = "" if members is None else f" with {members} members"
+    raise AssertionError(f"{metrics} did not reach step {step}{counting} (after record {since}) in {timeout} s")
 
 
 def run_node(args: list[str], workdir: Path, name: str = "run", timeout: float = 120.0) -> subprocess.CompletedProcess:

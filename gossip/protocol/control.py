@@ -200,6 +200,7 @@ class ControlPlane:
         self._paces: deque[float] = deque(maxlen=PACE_WINDOWS)  # rounds a second, one a second
         self._digest = ""  # the member digest the detector's messages carry (set before each call to it)
         self.detector: FailureDetector = make_detector(detector, membership, timing, self._frame)
+        membership.suspected = self.detector.suspected  # (see Membership.round_now)
 
     # -- helpers ---------------------------------------------------------------------------
     def reject(self, peer: str, reason: str, detail: str = "", *, count: bool = True) -> None:

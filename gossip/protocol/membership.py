@@ -19,7 +19,7 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from gossip.protocol.timing import Timing
 
@@ -171,6 +171,9 @@ class Membership:
     # (see round_now)
     clock: float = -math.inf
     rate: float = 0.0
+    # the failure detector's suspicion of a member (set by the control plane): a suspect
+    # is not taken to have run on past when it was last heard (see round_now)
+    suspected: Callable[[str], bool] = field(default=lambda mid: False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.members[self.self_id] = Member(self.self_id, self.incarnation, 0.0, "waiting", dc=self.dc,
@@ -225,9 +228,12 @@ class Membership:
         each last reported, plus the rounds this node ran since (its own pace, ``rate``
         rounds a second as of ``clock``; both set by the control plane). Rounds that go on
         without a suspected member split the ring into stretches that no longer wait for
-        each other, and a stretch may run far past what its last report said."""
+        each other, and a stretch may run far past what its last report said. A member
+        the failure detector suspects ran on at most until it was last heard: two nodes
+        that die together must not push each other's leave rounds seconds ahead."""
         ours = self.eventual() | {self.self_id}
-        late = [m.round + (self.rate * max(0.0, self.clock - m.round_at) if m.status == "training" else 0.0)
+        late = [m.round + (self.rate * max(0.0, (min(self.clock, m.last_seen) if self.suspected(k) else self.clock)
+                                        - m.round_at) if m.status == "training" else 0.0)
                 for k, m in self.members.items() if k in ours]
         return max(math.ceil(max(late, default=0)), self.max_round())
 

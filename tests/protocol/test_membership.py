@@ -213,3 +213,22 @@ def test_a_joiner_that_starts_training_announces_the_leaves_of_members_it_found_
     assert m.confirm_dead(6.0) == [c]
     assert m.leaves == {c: 4 + m.timing.leave_margin} and m.eventual() == {a, b, d, e}
     assert m.confirm_dead(9.0) == [] and not m.suspects
+
+
+def test_round_now_extrapolates_each_training_member_at_this_nodes_pace_but_a_suspect_only_until_last_heard():
+    """Leave rounds are announced past ``round_now``: a member that runs on may be ahead
+    of its last report, one that the detector suspects (dead, most likely) is not."""
+    m = Membership("a:1", 1, "f")
+    m.start(["a:1", "b:1", "c:1"], [1, 1, 1])
+    for mid in ("b:1", "c:1"):
+        m.heard(mid, 1, 10.0, status="training", round=100)
+    m.members["c:1"].last_seen = 10.5  # c spoke (a SWIM ack) after its round report
+    m.clock, m.rate = 12.0, 50.0  # two seconds on, at 50 rounds a second
+    assert m.round_now() == 200
+    m.suspected = lambda mid: mid == "b:1"  # b suspected: c still runs on
+    assert m.round_now() == 200
+    m.suspected = lambda mid: mid in ("b:1", "c:1")  # both: c ran on until last heard
+    assert m.round_now() == 125
+    m.suspected = lambda mid: False
+    m.members["b:1"].status = m.members["c:1"].status = "waiting"  # not training: where it said
+    assert m.round_now() == 100
