@@ -219,3 +219,15 @@ def test_faults_refuses_a_heal_whose_cut_missed_training(monkeypatch, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert sum("discarded" in line for line in out) == 2
     assert json.loads(out[-1])["heal"] == {"attempts": 2, "refused": "heal0 began training 31.0 s after its start"}
+
+
+def test_protocol_scale_measures_the_whole_control_plane_of_a_small_cluster():
+    """The benchmark's bounded form: 8 members, the figures it reports in their range."""
+    from benchmarks.protocol_scale import run
+
+    r = run(8, steady=3.0, crashes=2)
+    assert 0 < r["form_s"] < 15, r
+    assert 1 < r["ctrl_msgs_per_node_s"] < 10 and 50 < r["ctrl_bytes_per_msg"] < 1000, r
+    assert 1.0 < r["detect_s"] < 15 and 0 < r["join_s"] < 15 and r["false_deaths"] == 0, r
+    assert set(r["traffic_by_kind"]) >= {"hello", "members", "swim"} and "state" not in r["traffic_by_kind"], r
+    assert r["biggest_ctrl_msg_bytes"]["swim"] < 1024, r  # a digest of fixed size, whatever the cluster

@@ -67,8 +67,16 @@ RESUME, FRAMES, TICK, FAULT, LINK = range(5)
 
 
 def node_id(i: int) -> str:
-    """The id of simulated process ``i`` (an address, as real ids are)."""
-    return f"10.0.0.{i + 1}:7000"
+    """The id of simulated process ``i`` (an address, as real ids are: 10.0.0.0/8 holds
+    16,777,215 of them).
+
+    >>> node_id(0), node_id(254), node_id(4095)
+    ('10.0.0.1:7000', '10.0.0.255:7000', '10.0.16.0:7000')
+    """
+    if not 0 <= i < (1 << 24) - 1:
+        raise ValueError(f"a simulated process index must be in [0, {(1 << 24) - 2}], got {i!r}")
+    n = i + 1
+    return f"10.{n >> 16}.{(n >> 8) & 255}.{n & 255}:7000"
 
 
 @dataclass
@@ -125,6 +133,9 @@ class SimCluster:
     late : indices that do not start at time 0 (start them with :meth:`start`)
     checkpoint_dir : ``checkpoint_dir(i)`` a directory for process ``i``'s checkpoints, or None
     duplicate : probability that a message arrives twice (the copy up to ``reorder_by`` later)
+    control_loss : probability that a control-plane message (hello, member list, SWIM probe,
+        goodbye) is lost, over the link's own ``loss``: a lossy control network (SWIM over
+        UDP elsewhere) under model traffic that arrives, as over ZeroMQ's TCP
     reorder : probability that a message is held back by up to ``reorder_by`` seconds
         (so later messages on its link overtake it)
     options : further :class:`~gossip.protocol.config.PeerConfig` fields (default :data:`FAST`, ring, synthetic)
@@ -145,7 +156,7 @@ class SimCluster:
                  step_time: float | Callable[[int], float] = 0.01,
                  peers: Callable[[int], Sequence[int]] | None = None, late: Sequence[int] = (),
                  checkpoint_dir: Callable[[int], str | None] | None = None, model_seed: int = 0,
-                 duplicate: float = 0.0, reorder: float = 0.0, reorder_by: float = 0.05,
+                 duplicate: float = 0.0, reorder: float = 0.0, reorder_by: float = 0.05, control_loss: float = 0.0,
                  configure: Callable[[int], dict[str, Any]] | None = None, inter_link: LinkModel | None = None,
                  device: str = "cpu", group: int = 1, restart_after: float = 1.0, **options: Any) -> None:
         if not isinstance(n, int) or n < 1:
@@ -155,13 +166,15 @@ class SimCluster:
         if not restart_after > 0:
             raise ValueError(f"restart_after must be > 0 seconds, got {restart_after!r}")
         self.group, self.restart_after, self.model_seed = group, float(restart_after), model_seed
-        for name, prob in (("duplicate", duplicate), ("reorder", reorder)):
+        for name, prob in (("duplicate", duplicate), ("reorder", reorder), ("control_loss", control_loss)):
             if not 0 <= prob < 1:
                 raise ValueError(f"{name} must be a probability in [0, 1), got {prob!r}")
         if not reorder_by > 0:
             raise ValueError(f"reorder_by must be > 0 seconds, got {reorder_by!r}")
         self.duplicate, self.reorder, self.reorder_by = duplicate, reorder, reorder_by
+        self.control_loss = control_loss
         self.rng = random.Random(seed * 2654435761 + 0xD0B1E)  # duplicate and reorder draws only
+        self.control_rng = random.Random(seed * 40503 + 0xC0DE)  # control_loss draws only
         self.spikes: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
         self._up = 0       # processes up
         self._faults = 0   # fault events still queued
@@ -205,6 +218,11 @@ class SimCluster:
         self.by_id = {p.id: p for p in self.all}
         self.frames_sent = 0
         self.frames_lost = 0
+        # messages sent and their bytes on the wire, by kind (control traffic is every kind
+        # but the node thread's: see gossip.protocol.control.NODE_KINDS)
+        self.traffic: Counter[str] = Counter()
+        self.traffic_bytes: Counter[str] = Counter()
+        self.traffic_max: Counter[str] = Counter()  # the biggest message of each kind
         self.log: list[tuple[float, str]] = []  # the faults applied, when
         self.on_step: Callable[[SimProcess], None] | None = None  # after each local step of any process
         for i in range(n):
@@ -468,8 +486,15 @@ class SimCluster:
             return  # a stalled process sends nothing (its I/O thread does not run either)
         frames = [bytes(memoryview(f).cast("B")) for f in wire.encode(msg)]  # on the wire: copies
         self.frames_sent += 1
-        arrival = self.network.transmit(p.id, dst, sum(len(f) for f in frames), self.now, droppable=droppable)
+        size = sum(len(f) for f in frames)
+        self.traffic[msg.kind] += 1
+        self.traffic_bytes[msg.kind] += size
+        if size > self.traffic_max[msg.kind]:
+            self.traffic_max[msg.kind] = size
+        arrival = self.network.transmit(p.id, dst, size, self.now, droppable=droppable)
         target = self.by_id.get(dst) if isinstance(dst, str) else None
+        if self.control_loss and not droppable and self.control_rng.random() < self.control_loss:
+            arrival = None
         if arrival is None or target is None:
             self.frames_lost += 1
             return

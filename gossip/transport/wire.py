@@ -2,7 +2,7 @@
 
 A message is a multipart::
 
-    frame 0   b"GSP/1"                 protocol tag and version
+    frame 0   b"GSP/2"                 protocol tag and version
     frame 1   msgpack map (the header)
     frame 2.. raw buffers (tensor bytes, exactly as the codec produced them)
 
@@ -41,7 +41,7 @@ from gossip.core.message import Message
 
 __all__ = ["TAG", "VERSION", "KINDS", "WireError", "encode", "decode", "message_size", "same_header_size", "header_of"]
 
-VERSION = 1
+VERSION = 2
 PREFIX = b"GSP/"
 TAG = PREFIX + str(VERSION).encode()
 KINDS = frozenset({"state", "hello", "members", "ping", "pong", "bye", "state-request", "state-reply",

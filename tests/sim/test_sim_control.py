@@ -25,6 +25,8 @@ from gossip.compression import get_codec
 from gossip.core.message import Message
 from gossip.sim.cluster import FAST, SimCluster, node_id
 from gossip.transport import wire
+from gossip.transport.addresses import parse_address
+from gossip.transport.links import LinkModel
 
 torch.set_num_threads(1)  # tiny models: threads only contend
 
@@ -36,6 +38,36 @@ def test_a_cluster_without_faults_trains_to_the_end_in_one_cluster():
     assert [r["exit"] for r in rs] == ["done"] * 3
     assert all(r["steps"] == 60 and r["members"] == 3 and r["timed_out_rounds"] == 0 for r in rs), rs
     assert all(not r["joined"] and r["rejected"] == {} for r in rs), rs
+
+
+def test_simulated_ids_are_addresses_past_254_and_the_docstrings_hold():
+    import doctest
+
+    import gossip.sim.cluster
+
+    ids = [node_id(i) for i in range(4096)]
+    assert len(set(ids)) == 4096 and ids[255] == "10.0.1.0:7000"
+    assert [parse_address(x) for x in ids[250:260]] == ids[250:260]  # what --listen and --peers accept
+    with pytest.raises(ValueError, match="index"):
+        node_id(-1)
+    assert doctest.testmod(gossip.sim.cluster).failed == 0
+
+
+def test_control_loss_loses_control_messages_only_and_traffic_is_counted_by_kind():
+    """``control_loss``: a lossy control network under model messages that arrive. SWIM
+    retries what is lost (no false death), and no round waits for a lost state message;
+    the same loss on the link loses model messages too, and rounds time out."""
+    runs = []
+    for options in (dict(control_loss=0.1), dict(link=LinkModel(latency=1e-3, bandwidth=1e9, loss=0.1))):
+        c = SimCluster(4, steps=60, seed=3, timeout=0.5, **options)
+        c.run(until=300.0)
+        runs.append((c, c.results()))
+    (lossy, rs), (_, link_rs) = runs
+    assert [r["steps"] for r in rs] == [60] * 4 and [r["members"] for r in rs] == [4] * 4, rs
+    assert lossy.frames_lost > 0 and sum(r["timed_out_rounds"] for r in rs) == 0, rs
+    assert sum(r["timed_out_rounds"] for r in link_rs) > 0, link_rs
+    assert lossy.traffic["state"] > 0 and lossy.traffic["swim"] > 0 and sum(lossy.traffic.values()) == lossy.frames_sent
+    assert 0 < lossy.traffic_max["swim"] < 1024 and lossy.traffic_bytes["swim"] > lossy.traffic["swim"] * 100
 
 
 def test_killing_two_of_eight_costs_only_their_work():
@@ -229,7 +261,7 @@ def test_bad_frames_from_a_member_change_nothing_and_are_counted():
         if attack:
             good = Message("state", node_id(1), 5, 5, 99, None, None, {}, c.fingerprint)
             frames = [bytes(memoryview(f).cast("B")) for f in wire.encode(good)]
-            for k, bad in enumerate(([b"junk"], [b"GSP/1", b"\xc1"], frames)):
+            for k, bad in enumerate(([b"junk"], [b"GSP/2", b"\xc1"], frames)):
                 c.at(1.5 + 0.1 * k, "inject", lambda bad=bad: c._receive(c.procs[0], node_id(1), bad))
             c.at(1.9, "forged", lambda: c._receive(c.procs[0], node_id(2), frames))
         c.run(until=60.0)
