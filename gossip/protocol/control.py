@@ -498,7 +498,7 @@ class ControlPlane:
             # a new life of a member we train with: its old life sends no more. It leaves
             # at an announced round (its new life joins when it says hello to someone,
             # maybe in another cluster, see foreign above)
-            self.m.announce_leave(peer, self.m.max_round() + self.timing.leave_margin, ended)
+            self.m.announce_leave(peer, self.m.max_round() + self.m.margin(self.timing.leave_margin), ended)
         if msg.kind != "hello":
             return new_member, False
         active = self.m.counts(peer, inc)
@@ -508,7 +508,8 @@ class ControlPlane:
                 and not other:
             # a node joins a running cluster (a new one, or a new life of a member):
             # everyone adopts it from the same future round, after its old life left
-            eff = max(max(my_round, self.m.max_round()) + self.timing.join_margin, self.m.leaves.get(peer, 0))
+            eff = max(max(my_round, self.m.max_round()) + self.m.margin(self.timing.join_margin),
+                      self.m.leaves.get(peer, 0))
             self.m.announce_join(peer, eff, inc)
             log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
             new_member = True

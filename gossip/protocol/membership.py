@@ -75,6 +75,14 @@ def out_of_step(my_round: int, awaited: dict[str, tuple[str, int]], margin: int)
     return behind, (ahead[0] if ahead else None)
 
 
+#: an announced join or leave takes effect at least this many heartbeats of rounds ahead
+#: (see Membership.margin): the time news takes to reach every member, with room to spare
+SPREAD_HEARTBEATS = 2
+
+#: the order of a life's statuses: a message saying an earlier one is stale
+STATUS_ORDER = {"unknown": 0, "waiting": 1, "training": 2, "done": 3}
+
+
 @dataclass
 class Member:
     """What a node knows about one member."""
@@ -239,6 +247,26 @@ class Membership:
                 for k, m in self.members.items() if k in ours]
         return max(math.ceil(max(late, default=0)), self.max_round())
 
+    def margin(self, rounds: int) -> int:
+        """How many rounds ahead to announce a join or a leave: ``rounds`` (the configured
+        ``join_margin`` or ``leave_margin``), and at least the rounds this node runs in
+        :data:`SPREAD_HEARTBEATS` heartbeats at its pace (``rate``). An announcement must
+        reach every member before its round, which takes time, not rounds: a small model
+        runs a hundred rounds a second or more, and a fixed margin of a few rounds then
+        lasts a few milliseconds, so that members past the round when the news arrives
+        adopt it at rounds of their own. Waiting longer costs nothing: a dead member is
+        skipped meanwhile (see ``Lifecycle.gone``), and a joiner trains sooner than it
+        could pull a state anyway.
+
+        >>> m = Membership("a", 1, "f", timing=Timing(heartbeat=0.25, dead_after=2.0))
+        >>> m.margin(5), m.margin(20)
+        (5, 20)
+        >>> m.rate = 180.0  # rounds a second
+        >>> m.margin(5), m.margin(20)
+        (90, 90)
+        """
+        return max(rounds, math.ceil(self.rate * SPREAD_HEARTBEATS * self.timing.heartbeat))
+
     # -- updates ----------------------------------------------------------------------------
     def heard(self, sender: str, incarnation: int | None, now: float, *, status: str | None = None,
               round: int | None = None, step: int | None = None, dc: str | None = None,
@@ -267,12 +295,18 @@ class Membership:
         elif inc < m.incarnation:
             return False  # stale: from an older life of that node
         m.last_seen = now
-        if status is not None:
+        # a life's status only moves on, and its round within a status: an earlier one is an
+        # older message, delayed or reordered (a slow link, a socket of its own). Taken, it
+        # made a trainer look waiting again (a joiner then saw nobody train and gave up its
+        # join), or its round fall back (and changes were announced for rounds it had passed)
+        rank, known = STATUS_ORDER.get(status or m.status, 0), STATUS_ORDER.get(m.status, 0)
+        older = rank < known or (rank == known and round is not None and round < m.round)
+        if status is not None and not older:
             m.status = status
             m.status_at = now
-        if round is not None:
+        if round is not None and not older:
             m.round, m.round_at = round, now
-        if step is not None:
+        if step is not None and not older:
             m.step = step
         if dc is not None:
             m.dc = dc
@@ -340,7 +374,8 @@ class Membership:
 
     def _leave_of_dead(self, mid: str, incarnation: int | None) -> bool:
         """Announce this node's own death verdict on ``mid``: it leaves a margin ahead."""
-        return self.announce_leave(mid, max(self.round_now() + self.timing.leave_margin, self.joins.get(mid, -1) + 1),
+        return self.announce_leave(mid, max(self.round_now() + self.margin(self.timing.leave_margin),
+                                            self.joins.get(mid, -1) + 1),
                                    incarnation, early=False)
 
     def orphaned(self) -> bool:

@@ -54,6 +54,7 @@ def test_killing_two_of_eight_nodes_costs_only_their_work(tmp_path):
             results[run] = [x.summary() for x in survivors]
             logs = "".join(x.log() for x in survivors)
     faulty, clean = results["faulty"], results["clean"]
+    timed_out = [line for line in logs.splitlines() if "timed out" in line or "removed" in line]
     assert "removed: silent for more than 2 s" in logs
     # nobody stalled longer than detection (2 s of silence) plus a heartbeat and this
     # machine's own hiccups (the clean run's longest gap, at least 1.25 s), and never
@@ -62,7 +63,7 @@ def test_killing_two_of_eight_nodes_costs_only_their_work(tmp_path):
     # (the rounds go on without the two once they are suspected and silent: a survivor may
     # finish before the round their leave takes effect, with them still in its topology)
     for s in faulty:
-        assert s["steps"] == steps and s["timed_out_rounds"] == 0, s
+        assert s["steps"] == steps and s["timed_out_rounds"] == 0, (s, timed_out)
         assert s["max_step_gap_s"] < bound, (s["max_step_gap_s"], bound)
     for v in victims:
         assert all(f"member {v.addr} removed: silent" in x.log() for x in survivors), v.addr

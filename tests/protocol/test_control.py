@@ -194,25 +194,34 @@ def test_a_waiting_node_that_stalled_settles_again_on_what_the_members_say_after
     it must not start on its view from before the stall, nor on what waited in its
     socket meanwhile (pings saying "waiting", sent before they started)."""
     a, b = "10.0.0.1:1", "10.0.0.2:1"
-    me = Plane(a)
-    me.cp.now = 0.0
-    me.receive("hello", b, mids=[a, b], mincs=[1, 1])
-    for t in (0.0, 0.5, 1.0):
-        me.cp.now = t
-        me.receive("ping", b, digest=me.m.digest())
-        tick(me.cp, t)
-    assert me.cp.settled(2.5, 1.0) == (True, "")  # without a stall: settled
-    tick(me.cp, 30.0)  # 29 s without a tick: this node was stopped
-    me.cp.now = 30.0
-    me.receive("ping", b, digest=me.m.digest())  # the backlog, drained as it wakes
-    assert me.cp.settled(30.0, 1.0)[0] is False
-    ok, why = me.cp.settled(31.5, 1.0)
-    assert not ok and why == f"{b} has not spoken since this node stalled"
+
+    def stalled() -> Plane:
+        me = Plane(a)
+        me.cp.now = 0.0
+        me.receive("hello", b, mids=[a, b], mincs=[1, 1])
+        for t in (0.0, 0.5, 1.0):
+            me.cp.now = t
+            me.receive("ping", b, digest=me.m.digest())
+            tick(me.cp, t)
+        assert me.cp.settled(2.5, 1.0) == (True, "")  # without a stall: settled
+        tick(me.cp, 30.0)  # 29 s without a tick: this node was stopped
+        me.cp.now = 30.0
+        me.receive("ping", b, digest=me.m.digest())  # the backlog, drained as it wakes
+        assert me.cp.settled(30.0, 1.0)[0] is False
+        ok, why = me.cp.settled(31.5, 1.0)
+        assert not ok and why == f"{b} has not spoken since this node stalled"
+        return me
+
+    me = stalled()
     me.cp.now = 31.6
     me.receive("ping", b, status="training", digest=me.m.digest())  # b started without it
     assert me.cp.settled(31.6, 1.0) == (False, f"{b} is training")
     me.cp.now = 31.7
-    me.receive("ping", b, digest=me.m.digest())  # had b still waited, a start would settle now
+    me.receive("ping", b, digest=me.m.digest())  # "waiting", sent before: older, no longer taken
+    assert me.cp.settled(31.7, 1.0) == (False, f"{b} is training")
+    me = stalled()  # had b still waited, a start would settle once it spoke after the stall
+    me.cp.now = 31.7
+    me.receive("ping", b, digest=me.m.digest())
     assert me.cp.settled(31.7, 1.0) == (True, "")
 
 
