@@ -16,7 +16,9 @@ figures cell is an error: a figure with no key cannot be traced to a run.
 ``` `key` value``` items separated by ``;`` (a list-valued key as
 ``` `key` v1, v2```). A README figure passes when rows of exactly its command
 (whitespace aside) hold its key, and its range is those runs' smallest and
-largest value, at the README's precision.
+largest value, at the README's precision. A run of code that has changed since,
+kept for the record, goes in a table of its own headed
+``| date | superseded run | figures |``, which counts no more.
 
     python benchmarks/check_claims.py [--readme README.md] [--results benchmarks/RESULTS.md]
 

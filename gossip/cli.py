@@ -324,8 +324,7 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="a peer that has not answered holds the start of those that did back this long at most; "
                         "it joins when it comes (default: %(default)s)")
     p.add_argument("--join-margin", type=_nonneg_int("--join-margin"), default=TIMING.join_margin, metavar="ROUNDS",
-                   help="rounds between announcing a join and adopting it, at least; a node announces at least "
-                        "the rounds two heartbeats last at its pace ahead (default: %(default)s)")
+                   help="rounds between announcing a join and adopting it (default: %(default)s)")
     p.add_argument("--grace", type=float, default=TIMING.grace, metavar="SEC",
                    help="a finished node keeps serving others this long at most (default: %(default)s)")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here (atomic files)")

@@ -20,6 +20,7 @@ cycling through made-up ids cannot grow this node's memory.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -93,6 +94,7 @@ class ControlFields:
     fids: list[str] | None = None
     fincs: list[int] | None = None
     fends: list[int] | None = None
+    seq: int | None = None  # the sender's count of control messages in this process (None: not said)
 
 
 def parse_control(msg: Message) -> ControlFields:
@@ -110,8 +112,11 @@ def parse_control(msg: Message) -> ControlFields:
     seeding = x.get("seeding", False)
     if not isinstance(seeding, bool):
         raise ValueError("seeding")
+    seq = x.get("cseq")
+    if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq < 0 or seq >= 2**63):
+        raise ValueError("cseq")
     if msg.kind == "bye":
-        return ControlFields(inc, status, dc, seeding, *([None] * 11), None, x.get("reason", "left"))
+        return ControlFields(inc, status, dc, seeding, *([None] * 11), None, x.get("reason", "left"), seq=seq)
     mids = _str_list(x, "mids")
     mincs = _int_list(x, "mincs", len(mids)) if mids is not None else None
     mdcs = _str_list(x, "mdcs", min_len=0) if mids is not None else None
@@ -128,7 +133,8 @@ def parse_control(msg: Message) -> ControlFields:
     fends = _int_list(x, "fends", len(fids)) if fids is not None else None
     digest = x.get("digest")
     return ControlFields(inc, status, dc, seeding, mids, mincs, mdcs, base, jids, jrounds, lids, lrounds, bincs,
-                         jincs, lincs, digest if isinstance(digest, str) else None, x.get("reason"), fids, fincs, fends)
+                         jincs, lincs, digest if isinstance(digest, str) else None, x.get("reason"), fids, fincs, fends,
+                         seq)
 
 
 class ControlPlane:
@@ -199,6 +205,7 @@ class ControlPlane:
         self._pace = (-math.inf, 0)  # (when, round) this node's pace was last measured from
         self._paces: deque[float] = deque(maxlen=PACE_WINDOWS)  # rounds a second, one a second
         self._digest = ""  # the member digest the detector's messages carry (set before each call to it)
+        self._seq = itertools.count(1)  # numbers this process's control messages (next() is atomic)
         self.detector: FailureDetector = make_detector(detector, membership, timing, self._frame)
         membership.suspected = self.detector.suspected  # (see Membership.round_now)
 
@@ -225,7 +232,11 @@ class ControlPlane:
 
     def _message(self, kind: str, **extra: Any) -> Message:
         status, rnd, step = self.progress()
-        x = {"inc": self.incarnation, "status": status, "dc": self.dc, "seeding": bool(self.seeds), **extra}
+        # seq: this process's count of control messages, so that a receiver tells the
+        # latest word on this node's status, round and digest from an older message that
+        # arrived late (a slow link, reordering, a socket of its own; see Membership.heard)
+        x = {"inc": self.incarnation, "status": status, "dc": self.dc, "seeding": bool(self.seeds),
+             "cseq": next(self._seq), **extra}
         return Message(kind, self.id, rnd, step, 0, None, None, x, self.fingerprint)
 
     def _members_message(self, kind: str = "members") -> Message:
@@ -252,6 +263,10 @@ class ControlPlane:
                 if former:
                     x.update(fids=[j for j, _, _ in former], fincs=[i for _, i, _ in former],
                              fends=[r for _, _, r in former])
+            # the digest of what it carries: each change reaches every member with the
+            # sender's digest, so a fresh start need not wait for a probe to meet each
+            # member to learn that it agrees (see settled)
+            x["digest"] = self.m.digest()
         return self._message(kind, **x)
 
     def _frame(self, kind: str, fields: dict) -> Message:
@@ -464,8 +479,9 @@ class ControlPlane:
             fx.verdict = (msg.round, peer, theirs - ours, True)  # type: ignore[operator]
         # while joining another cluster, only its members' lists count
         lists = not other and (not self.m.target or peer in self.m.target)
+        latest = self.m.latest(peer, inc, f.seq)
         self.m.heard(peer, inc, now, status=status, round=msg.round, step=msg.progress, dc=f.dc,
-                     fingerprint=msg.fingerprint)
+                     fingerprint=msg.fingerprint, seq=f.seq)
         if f.mids is not None and f.mincs is not None:
             self.m.merge(zip(f.mids, f.mincs), now)
             if f.mdcs is not None and len(f.mdcs) == len(f.mids):
@@ -484,12 +500,13 @@ class ControlPlane:
             for j, fi, r in zip(f.fids, f.fincs, f.fends):
                 if fi:
                     self.m.announce_leave(j, r, fi)  # (an old life's: see Membership.former)
-        if f.digest is not None:
-            self.digests[peer] = f.digest
-        if f.seeding and peer in self.m.members:
-            self.seeding.add(peer)
-        else:
-            self.seeding.discard(peer)
+        if latest:  # (an older message's digest and seeds are older news)
+            if f.digest is not None:
+                self.digests[peer] = f.digest
+            if f.seeding and peer in self.m.members:
+                self.seeding.add(peer)
+            else:
+                self.seeding.discard(peer)
         new_member = self.m.version != before
         my_status, my_round, _ = self.progress()
         if new_member:
@@ -498,7 +515,7 @@ class ControlPlane:
             # a new life of a member we train with: its old life sends no more. It leaves
             # at an announced round (its new life joins when it says hello to someone,
             # maybe in another cluster, see foreign above)
-            self.m.announce_leave(peer, self.m.max_round() + self.m.margin(self.timing.leave_margin), ended)
+            self.m.announce_leave(peer, self.m.max_round() + self.timing.leave_margin, ended)
         if msg.kind != "hello":
             return new_member, False
         active = self.m.counts(peer, inc)
@@ -508,8 +525,7 @@ class ControlPlane:
                 and not other:
             # a node joins a running cluster (a new one, or a new life of a member):
             # everyone adopts it from the same future round, after its old life left
-            eff = max(max(my_round, self.m.max_round()) + self.m.margin(self.timing.join_margin),
-                      self.m.leaves.get(peer, 0))
+            eff = max(max(my_round, self.m.max_round()) + self.timing.join_margin, self.m.leaves.get(peer, 0))
             self.m.announce_join(peer, eff, inc)
             log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
             new_member = True

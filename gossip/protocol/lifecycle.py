@@ -599,9 +599,8 @@ class Lifecycle:
         this node is the one far behind, it starts a new life itself."""
         node = self.node
         assert node is not None
-        with self.lock:  # (the margins this node announces changes with: see Membership.margin)
-            margin = self.membership.margin(self.cfg.timing.join_margin) \
-                + self.membership.margin(self.cfg.timing.leave_margin)
+        with self.lock:  # (the margins this node announces changes with)
+            margin = self.cfg.timing.join_margin + self.membership.death_margin()
             alive = {j: (m.status, m.round) for j in awaited if (m := self.membership.members.get(j)) is not None}
             cluster = self.membership.eventual()
         if self.late == LATE_ROUNDS or self.late & (self.late - 1) == 0:  # 3, 4, 8, 16 ...: not every round

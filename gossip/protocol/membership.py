@@ -75,14 +75,6 @@ def out_of_step(my_round: int, awaited: dict[str, tuple[str, int]], margin: int)
     return behind, (ahead[0] if ahead else None)
 
 
-#: an announced join or leave takes effect at least this many heartbeats of rounds ahead
-#: (see Membership.margin): the time news takes to reach every member, with room to spare
-SPREAD_HEARTBEATS = 2
-
-#: the order of a life's statuses: a message saying an earlier one is stale
-STATUS_ORDER = {"unknown": 0, "waiting": 1, "training": 2, "done": 3}
-
-
 @dataclass
 class Member:
     """What a node knows about one member."""
@@ -99,6 +91,7 @@ class Member:
     round_at: float = -math.inf   # when it last told us its round
     state_at: float = -math.inf   # when its last state message arrived
     state_gap: float = math.inf   # its usual time between two state messages (a moving average)
+    seq: int = -1  # the number of the latest control message taken from it (see Membership.latest)
 
     def heard_state(self, now: float) -> None:
         """A state message from this member arrived at ``now``."""
@@ -247,31 +240,51 @@ class Membership:
                 for k, m in self.members.items() if k in ours]
         return max(math.ceil(max(late, default=0)), self.max_round())
 
-    def margin(self, rounds: int) -> int:
-        """How many rounds ahead to announce a join or a leave: ``rounds`` (the configured
-        ``join_margin`` or ``leave_margin``), and at least the rounds this node runs in
-        :data:`SPREAD_HEARTBEATS` heartbeats at its pace (``rate``). An announcement must
-        reach every member before its round, which takes time, not rounds: a small model
-        runs a hundred rounds a second or more, and a fixed margin of a few rounds then
-        lasts a few milliseconds, so that members past the round when the news arrives
-        adopt it at rounds of their own. Waiting longer costs nothing: a dead member is
-        skipped meanwhile (see ``Lifecycle.gone``), and a joiner trains sooner than it
-        could pull a state anyway.
+    def death_margin(self) -> int:
+        """How many rounds ahead to announce the leave of a member this node found dead:
+        ``leave_margin``, and at least the rounds this node runs in a heartbeat at its
+        pace (``rate``). The leave must reach every member before its round, which takes
+        time, not rounds: a small model runs a hundred rounds a second or more, and 5
+        rounds then last a few milliseconds, so that the stretches of a ring that ran on
+        without the dead (see :meth:`round_now`) were past the round when the news came
+        and adopted the leave at rounds of their own. Waiting longer costs nothing: the
+        dead member is skipped meanwhile (see ``Lifecycle.gone``).
 
         >>> m = Membership("a", 1, "f", timing=Timing(heartbeat=0.25, dead_after=2.0))
-        >>> m.margin(5), m.margin(20)
-        (5, 20)
+        >>> m.death_margin()
+        5
         >>> m.rate = 180.0  # rounds a second
-        >>> m.margin(5), m.margin(20)
-        (90, 90)
+        >>> m.death_margin()
+        45
         """
-        return max(rounds, math.ceil(self.rate * SPREAD_HEARTBEATS * self.timing.heartbeat))
+        return max(self.timing.leave_margin, math.ceil(self.rate * self.timing.heartbeat))
 
     # -- updates ----------------------------------------------------------------------------
+    def latest(self, sender: str, incarnation: int, seq: int | None) -> bool:
+        """Whether control message ``seq`` of ``sender``'s life ``incarnation`` is the latest
+        word from it: no message of that life with a higher number was taken. Messages
+        arrive late and out of order (a slow link, a socket of their own). A delayed one,
+        taken, made a trainer look waiting again (explorer seed 24000246: a joiner saw
+        nobody train and gave up its join) or its round fall back (and changes were
+        announced for rounds it had passed). A message without a number counts as new.
+
+        >>> m = Membership("a", 1, "f")
+        >>> _ = m.heard("b", 1, 1.0, status="training", round=6, seq=9)
+        >>> m.latest("b", 1, 7), m.latest("b", 1, 10), m.latest("b", 2, 1)
+        (False, True, True)
+        >>> _ = m.heard("b", 1, 1.1, status="waiting", round=0, seq=7)  # sent before it trained
+        >>> m.members["b"].status, m.members["b"].round, m.members["b"].last_seen
+        ('training', 6, 1.1)
+        """
+        m = self.members.get(sender)
+        return m is None or incarnation > m.incarnation or (incarnation == m.incarnation
+                                                              and (seq is None or seq > m.seq))
+
     def heard(self, sender: str, incarnation: int | None, now: float, *, status: str | None = None,
               round: int | None = None, step: int | None = None, dc: str | None = None,
-              fingerprint: str | None = None) -> bool:
-        """Direct contact from ``sender``; returns True if the member set changed."""
+              fingerprint: str | None = None, seq: int | None = None) -> bool:
+        """Direct contact from ``sender``, by its control message number ``seq`` (see
+        :meth:`latest`); returns True if the member set changed."""
         changed = False
         m = self.members.get(sender)
         inc = incarnation if incarnation is not None else (m.incarnation if m else 0)
@@ -295,12 +308,11 @@ class Membership:
         elif inc < m.incarnation:
             return False  # stale: from an older life of that node
         m.last_seen = now
-        # a life's status only moves on, and its round within a status: an earlier one is an
-        # older message, delayed or reordered (a slow link, a socket of its own). Taken, it
-        # made a trainer look waiting again (a joiner then saw nobody train and gave up its
-        # join), or its round fall back (and changes were announced for rounds it had passed)
-        rank, known = STATUS_ORDER.get(status or m.status, 0), STATUS_ORDER.get(m.status, 0)
-        older = rank < known or (rank == known and round is not None and round < m.round)
+        # what a message older than one taken already says of its sender's status, round
+        # and step is older news (see latest): it is alive, no more
+        older = seq is not None and seq <= m.seq
+        if seq is not None and not older:
+            m.seq = seq
         if status is not None and not older:
             m.status = status
             m.status_at = now
@@ -374,7 +386,7 @@ class Membership:
 
     def _leave_of_dead(self, mid: str, incarnation: int | None) -> bool:
         """Announce this node's own death verdict on ``mid``: it leaves a margin ahead."""
-        return self.announce_leave(mid, max(self.round_now() + self.margin(self.timing.leave_margin),
+        return self.announce_leave(mid, max(self.round_now() + self.death_margin(),
                                             self.joins.get(mid, -1) + 1),
                                    incarnation, early=False)
 

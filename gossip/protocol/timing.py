@@ -49,10 +49,9 @@ class Timing:
         members that did answer back this long at most (measured from each node's
         start); it joins the running cluster when it comes
     join_margin : rounds between announcing a join and adopting it (every member
-        must hear of it first); at least, see ``Membership.margin``: a node announces
-        at least two heartbeats of rounds ahead at its pace
-    leave_margin : rounds between announcing a death or goodbye and adopting it (at
-        least, likewise)
+        must hear of it first)
+    leave_margin : rounds between announcing a death or goodbye and adopting it (a
+        death's at least the rounds a heartbeat lasts: see ``Membership.death_margin``)
     """
 
     heartbeat: float = 0.5

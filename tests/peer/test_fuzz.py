@@ -161,6 +161,7 @@ class Fuzzer:
             ("fingerprint", 200, lambda s: self.control(s, fp="0123456789abcdef")),
             ("control", 200, lambda s: self.control(s, inc="x")),
             ("control", 100, lambda s: self.control(s, status="bogus")),
+            ("control", 100, lambda s: self.control(s, cseq=r.choice([-1, "7", True, 2**63, 1.5]))),
             ("control", 100, lambda s: self.control(s, mids=[1, 2])),
             ("control", 100, lambda s: self.control(s, mids=[s], mincs=[1, 2])),
         ]

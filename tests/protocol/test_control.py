@@ -214,10 +214,10 @@ def test_a_waiting_node_that_stalled_settles_again_on_what_the_members_say_after
 
     me = stalled()
     me.cp.now = 31.6
-    me.receive("ping", b, status="training", digest=me.m.digest())  # b started without it
+    me.receive("ping", b, status="training", cseq=50, digest=me.m.digest())  # b started without it
     assert me.cp.settled(31.6, 1.0) == (False, f"{b} is training")
     me.cp.now = 31.7
-    me.receive("ping", b, digest=me.m.digest())  # "waiting", sent before: older, no longer taken
+    me.receive("ping", b, cseq=40, digest=me.m.digest())  # "waiting", sent before: older, not taken
     assert me.cp.settled(31.7, 1.0) == (False, f"{b} is training")
     me = stalled()  # had b still waited, a start would settle once it spoke after the stall
     me.cp.now = 31.7
