@@ -234,7 +234,7 @@ class ControlPlane:
         status, rnd, step = self.progress()
         # seq: this process's count of control messages, so that a receiver tells the
         # latest word on this node's status, round and digest from an older message that
-        # arrived late (a slow link, reordering, a socket of its own; see Membership.heard)
+        # arrived late (a slow link, reordering, a socket of its own; see Membership.latest)
         x = {"inc": self.incarnation, "status": status, "dc": self.dc, "seeding": bool(self.seeds),
              "cseq": next(self._seq), **extra}
         return Message(kind, self.id, rnd, step, 0, None, None, x, self.fingerprint)

@@ -288,6 +288,9 @@ class Membership:
         changed = False
         m = self.members.get(sender)
         inc = incarnation if incarnation is not None else (m.incarnation if m else 0)
+        # what a message older than one taken already says of its sender's status, round
+        # and step is older news: it is alive, no more
+        older = not self.latest(sender, inc, seq)
         if m is None and self.departed.get(sender, -1) >= inc:
             return False  # that life said goodbye; its last messages may still be in flight
         if m is None or inc > m.incarnation:
@@ -308,9 +311,6 @@ class Membership:
         elif inc < m.incarnation:
             return False  # stale: from an older life of that node
         m.last_seen = now
-        # what a message older than one taken already says of its sender's status, round
-        # and step is older news (see latest): it is alive, no more
-        older = seq is not None and seq <= m.seq
         if seq is not None and not older:
             m.seq = seq
         if status is not None and not older:
