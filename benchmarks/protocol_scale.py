@@ -44,6 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+
 from gossip.protocol.control import NODE_KINDS  # noqa: E402
 from gossip.protocol.timing import Timing  # noqa: E402
 from gossip.sim.cluster import SimCluster, node_id  # noqa: E402
@@ -162,6 +164,7 @@ def main() -> None:
     if not 0 <= args.loss < 1:
         ap.error(f"--loss: a probability in [0, 1), got {args.loss}")
     logging.basicConfig(level=logging.ERROR)
+    torch.set_num_threads(1)  # a tiny model: more threads only fight each other (as in the explorer)
     out: dict[str, dict[int, object]] = {}
     for n in sizes:
         r = run(n, loss=args.loss, step_time=args.step_time, steady=args.steady, crashes=args.crashes,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import random
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ MAX_CONFLICTS = 64  # peers we remember (and answer) for refusing to mix: each c
 MAX_LOGGED = 10_000  # (peer, reason) pairs logged once each
 PACE_WINDOWS = 10  # seconds of this node's pace (rounds a second, measured each second) kept
 MAX_PROBED = 64  # members declared dead we keep saying hello to (the most recent); lists that drop us kept
+MAX_AGREE_BYTES = 4096 // 8  # an agreement bitmap: a bit per member, as many as a member list holds
 BACKOFF_MAX = 8.0  # seconds between hellos to a seed that does not answer or a member declared dead, at most
 
 
@@ -95,6 +97,10 @@ class ControlFields:
     fincs: list[int] | None = None
     fends: list[int] | None = None
     seq: int | None = None  # the sender's count of control messages in this process (None: not said)
+    # before the start: a member digest and two bitmaps over its sorted ids, the members
+    # the sender knows to report that digest while waiting, and those of them whose seeds
+    # all answered (see ControlPlane.agree)
+    agree: tuple[str, bytes, bytes] | None = None
 
 
 def parse_control(msg: Message) -> ControlFields:
@@ -117,6 +123,15 @@ def parse_control(msg: Message) -> ControlFields:
         raise ValueError("cseq")
     if msg.kind == "bye":
         return ControlFields(inc, status, dc, seeding, *([None] * 11), None, x.get("reason", "left"), seq=seq)
+    agree = x.get("agree")
+    if agree is not None:
+        try:  # [digest, the two bitmaps in hex]
+            if not (isinstance(agree, list) and len(agree) == 3 and isinstance(agree[0], str) and len(agree[0]) <= 64
+                    and all(isinstance(a, str) and len(a) <= 2 * MAX_AGREE_BYTES for a in agree[1:])):
+                raise ValueError
+            agree = (agree[0], bytes.fromhex(agree[1]), bytes.fromhex(agree[2]))
+        except ValueError:
+            raise ValueError("agree") from None
     mids = _str_list(x, "mids")
     mincs = _int_list(x, "mincs", len(mids)) if mids is not None else None
     mdcs = _str_list(x, "mdcs", min_len=0) if mids is not None else None
@@ -134,7 +149,7 @@ def parse_control(msg: Message) -> ControlFields:
     digest = x.get("digest")
     return ControlFields(inc, status, dc, seeding, mids, mincs, mdcs, base, jids, jrounds, lids, lrounds, bincs,
                          jincs, lincs, digest if isinstance(digest, str) else None, x.get("reason"), fids, fincs, fends,
-                         seq)
+                         seq, agree)
 
 
 class ControlPlane:
@@ -195,7 +210,14 @@ class ControlPlane:
         self._logged: set[tuple[str, str]] = set()
         self._reject_lock = threading.Lock()  # the I/O thread and the node thread both count
         self.digests: dict[str, str] = {}  # member -> the member digest it last reported
-        self.seeding: set[str] = set()  # members that still wait for one of their seeds to answer
+        # before the start: the members known to report this node's member digest while
+        # waiting, each in a message of its own or in another member's bitmap of such
+        # members (an epidemic: a fresh start need not hear from every member itself), and
+        # those of them whose ``--peers`` seeds all answered
+        self.agree: set[str] = set()
+        self.ready: set[str] = set()
+        self._agreed_on = ""  # the digest they are about (a change of the member set empties them)
+        self._agree_bits: tuple[bool, list[str]] | None = None  # (ready itself, the field it sends)
         self.last_change = 0.0
         self.woke = -math.inf  # when this process last ran again after a stall of its own
         self.last_ping = 0.0
@@ -206,6 +228,7 @@ class ControlPlane:
         self._paces: deque[float] = deque(maxlen=PACE_WINDOWS)  # rounds a second, one a second
         self._digest = ""  # the member digest the detector's messages carry (set before each call to it)
         self._seq = itertools.count(1)  # numbers this process's control messages (next() is atomic)
+        self._rng = random.Random(f"spread|{node_id}|{incarnation}")  # whom a change is told to (see _spread)
         self.detector: FailureDetector = make_detector(detector, membership, timing, self._frame)
         membership.suspected = self.detector.suspected  # (see Membership.round_now)
 
@@ -237,6 +260,10 @@ class ControlPlane:
         # arrived late (a slow link, reordering, a socket of its own; see Membership.latest)
         x = {"inc": self.incarnation, "status": status, "dc": self.dc, "seeding": bool(self.seeds),
              "cseq": next(self._seq), **extra}
+        if status == "waiting" and kind != "bye":
+            agree = self._agree_field()
+            if agree is not None:
+                x["agree"] = agree
         return Message(kind, self.id, rnd, step, 0, None, None, x, self.fingerprint)
 
     def _members_message(self, kind: str = "members") -> Message:
@@ -268,6 +295,53 @@ class ControlPlane:
             # member to learn that it agrees (see settled)
             x["digest"] = self.m.digest()
         return self._message(kind, **x)
+
+    def _agreement(self) -> str:
+        """This node's member digest, with ``agree`` and ``ready`` emptied if they are
+        about another (call with ``lock`` held)."""
+        mine = self.m.digest()
+        if mine != self._agreed_on:
+            self._agreed_on, self.agree, self.ready, self._agree_bits = mine, set(), set(), None
+        return mine
+
+    def _agree_field(self) -> list | None:
+        """``[digest, agree, ready]``, the two sets as bitmaps over the sorted ids in hex,
+        this node in both (in ``ready`` once its own seeds answered)."""
+        with self.lock:
+            if self.m.started:
+                return None
+            mine = self._agreement()
+            me = not self.seeds
+            if self._agree_bits is None or self._agree_bits[0] != me:
+                agree, ready = bytearray((len(self.m.members) + 7) // 8), bytearray((len(self.m.members) + 7) // 8)
+                for i, mid in enumerate(self.m.ids()):
+                    if mid in self.agree or mid == self.id:
+                        agree[i >> 3] |= 1 << (i & 7)
+                    if mid in self.ready or (me and mid == self.id):
+                        ready[i >> 3] |= 1 << (i & 7)
+                self._agree_bits = (me, [mine, agree.hex(), ready.hex()])
+            return self._agree_bits[1]
+
+    def _learn_agreement(self, peer: str, f: ControlFields, latest: bool, now: float) -> None:
+        """What ``peer``'s message says of who reports this node's digest (lock held). Not
+        a message handled as this node wakes from a stall: it waited in the socket, and
+        says what held before the stall."""
+        if now <= self.woke:
+            return
+        mine = self._agreement()
+        before = len(self.agree), len(self.ready)
+        if latest and f.digest == mine and f.status == "waiting" and peer in self.m.members:
+            self.agree.add(peer)
+            if not f.seeding:
+                self.ready.add(peer)
+        if f.agree is not None and f.agree[0] == mine:
+            ids = self.m.ids()
+            for bits, into in zip(f.agree[1:], (self.agree, self.ready)):
+                if len(bits) == (len(ids) + 7) // 8:
+                    into.update(mid for i, mid in enumerate(ids) if bits[i >> 3] >> (i & 7) & 1 and mid != self.id)
+        self.ready &= self.agree
+        if (len(self.agree), len(self.ready)) != before:
+            self._agree_bits = None
 
     def _frame(self, kind: str, fields: dict) -> Message:
         """A detector's message of ``kind``, framed as this node's (see gossip.protocol.detector)."""
@@ -301,9 +375,15 @@ class ControlPlane:
             digest = self.m.digest()
         return Effects(broadcasts=[self._message("ping", digest=digest)])
 
-    def announce_members(self) -> Effects:
-        """This node's member list (and schedule) to every member now."""
-        return Effects(broadcasts=[self._members_message()])
+    def announce_members(self, *, everyone: bool = True) -> Effects:
+        """This node's member list (and schedule) to every member now, or (``everyone``
+        False) to :meth:`Timing.spread` random ones, who pass on what is news to them."""
+        fx = Effects()
+        if everyone:
+            fx.broadcasts.append(self._members_message())
+        else:
+            self._spread(fx, self._members_message())
+        return fx
 
     # -- incoming --------------------------------------------------------------------------
     def on_frames(self, ident: bytes, frames: list) -> None:
@@ -386,12 +466,14 @@ class ControlPlane:
         self.seeds.pop(peer, None)  # it answered: stop retrying it as a seed
         with self.lock:
             self._note_round(now)
-            new_member, reply = self._update(msg, f, now, fx)
+            new_member, reply, scheduled = self._update(msg, f, now, fx)
             fx.reconnect = self.m.take_renewed()
         if reply:
             fx.sends.append((peer, self._members_message()))
-        if new_member:
+        if scheduled:  # (a join or a restart's leave it scheduled: every member must hear of it in time)
             fx.broadcasts.append(self._members_message())
+        elif new_member:  # news to this node: passed on as an epidemic (the sender knows it)
+            self._spread(fx, self._members_message(), skip=peer)
         elif msg.kind == "ping" and f.digest is not None and f.digest != self.m.digest():
             fx.sends.append((peer, self._members_message()))  # anti-entropy: it sees a different member set
         return fx
@@ -442,9 +524,10 @@ class ControlPlane:
                 fx.sends.append((peer, self._fingerprint_bye()))  # its turn to name the difference
         self.seeds.pop(peer, None)
 
-    def _update(self, msg: Message, f: ControlFields, now: float, fx: Effects) -> tuple[bool, bool]:
+    def _update(self, msg: Message, f: ControlFields, now: float, fx: Effects) -> tuple[bool, bool, bool]:
         """The member table learns what ``msg`` says (call with the lock held).
-        Returns (whether the member set or schedule changed, whether to reply)."""
+        Returns (whether the member set or schedule changed, whether to reply, whether
+        this node scheduled a join or a leave of its own on it)."""
         peer, inc, status = msg.sender, f.inc, f.status
         before = self.m.version
         old = self.m.members.get(peer)
@@ -452,7 +535,7 @@ class ControlPlane:
             # that life said goodbye: what it sent before (late, or a duplicate) says nothing
             # now. A node that starts afresh meanwhile (its cluster finished) would take the
             # finished cluster's schedule from it, and then settle with nobody
-            return False, False
+            return False, False, False
         restarted = old is not None and inc > old.incarnation  # a new life of a node we knew
         # the peer's life this node's schedule counts (else the table's) ended when a newer
         # one speaks, whether the table learned of the newer life from the peer itself or,
@@ -503,21 +586,20 @@ class ControlPlane:
         if latest:  # (an older message's digest and seeds are older news)
             if f.digest is not None:
                 self.digests[peer] = f.digest
-            if f.seeding and peer in self.m.members:
-                self.seeding.add(peer)
-            else:
-                self.seeding.discard(peer)
+        if not self.m.started:
+            self._learn_agreement(peer, f, latest, now)
         new_member = self.m.version != before
         my_status, my_round, _ = self.progress()
         if new_member:
             self.last_change = now
+        scheduled = False
         if ended is not None and my_status == "training" and self.m.started and peer in self.m.eventual():
             # a new life of a member we train with: its old life sends no more. It leaves
             # at an announced round (its new life joins when it says hello to someone,
             # maybe in another cluster, see foreign above)
-            self.m.announce_leave(peer, self.m.max_round() + self.timing.leave_margin, ended)
+            scheduled = self.m.announce_leave(peer, self.m.max_round() + self.timing.leave_margin, ended)
         if msg.kind != "hello":
-            return new_member, False
+            return new_member, False, scheduled
         active = self.m.counts(peer, inc)
         # (a hello from a training node that is not active here comes from another
         # cluster: not a joiner; nor is a node that waits to join another cluster)
@@ -528,8 +610,8 @@ class ControlPlane:
             eff = max(max(my_round, self.m.max_round()) + self.timing.join_margin, self.m.leaves.get(peer, 0))
             self.m.announce_join(peer, eff, inc)
             log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
-            new_member = True
-        return new_member, True
+            new_member = scheduled = True
+        return new_member, True, scheduled
 
     def _learn_start(self, f: ControlFields) -> None:
         """We learn how the running cluster started; if it started with an earlier
@@ -586,6 +668,8 @@ class ControlPlane:
             # what it knew of the others is that old now, and what waited in its socket
             # too: a start must settle again on what they say from now on (see settled)
             self.woke = self.last_change = now
+            with self.lock:
+                self.agree, self.ready, self._agree_bits = set(), set(), None
         # suspicions come and go under load (SWIM refutes them): the verdicts that matter, a
         # removal, are logged by the member table
         for mid in verdicts.suspected:
@@ -614,7 +698,9 @@ class ControlPlane:
                         "announced: %s", self.id, ", ".join(confirmed))
         if fx.dead or confirmed:
             self.last_change = now
-            self._to_all(fx, self._members_message())  # the leave rounds, so all adopt them together
+            # the leave rounds, so all adopt them together (the others' detectors find the
+            # death too: passed on as an epidemic, see _spread)
+            self._spread(fx, self._members_message())
         for _, msg in verdicts.sends:  # the detector's messages carry the digest after the removals
             msg.extra["digest"] = digest
         fx.sends += verdicts.sends
@@ -626,6 +712,16 @@ class ControlPlane:
         if self.excluded_by and now - self.excluded_since >= 1.5 * self.timing.dead_after:
             self._judge_exclusion(now, fx)
         return fx
+
+    def _spread(self, fx: Effects, msg: Message, skip: str | None = None) -> None:
+        """``msg``, news of a change to the member table, to :meth:`Timing.spread` random
+        other members (not ``skip``, which sent it): each that learns something from it
+        passes it on so, and the probes' digests catch a member it missed. A change told to
+        every member by each that learns it costs ``n ** 2`` messages of ``n`` entries."""
+        with self.lock:
+            others = [p for p in self.m.others() if p != skip]
+            k = self.timing.spread(len(self.m.members))
+        fx.sends += [(p, msg) for p in (others if k >= len(others) else self._rng.sample(others, k))]
 
     def _to_all(self, fx: Effects, msg: Message) -> None:
         """``msg`` to every other member as the table stands now."""
@@ -715,33 +811,30 @@ class ControlPlane:
         return Effects(broadcasts=[self._message("bye", reason=reason)])
 
     def settled(self, now: float, settle: float, *, seeds: bool = True) -> tuple[bool, str]:
-        """Whether a fresh cluster may start: every known member waits for the start,
-        reports our member set, and the set has not changed for ``settle`` seconds.
-        With ``seeds``, also every ``--peers`` seed of every member has answered: two
-        halves of a cluster that came up at different speeds must not start apart.
-        After a stall of this process, each member must have spoken again since: the
-        rest may have started without it meanwhile. The second value says what is
-        still awaited (for the log)."""
+        """Whether a fresh cluster may start: every known member waits for the start and
+        reports our member set (itself, or in the bitmaps of another that reports it:
+        ``agree``), and the set has not changed for ``settle`` seconds. With ``seeds``,
+        also every ``--peers`` seed of every member has answered (``ready``): two halves
+        of a cluster that came up at different speeds must not start apart. After a stall
+        of this process, each member's agreement must be heard again: the rest may have
+        started without it meanwhile. The second value says what is still awaited (for
+        the log)."""
         with self.lock:
             if now - self.last_change < settle:
                 return False, f"member set changed {now - self.last_change:.1f} s ago"
             if seeds and self.seeds:
                 return False, f"seed {next(iter(self.seeds))} has not answered"
-            waiting_for_seeds = sorted(self.seeding.intersection(self.m.members)) if seeds else []
-            if waiting_for_seeds:
-                return False, f"{waiting_for_seeds[0]} waits for one of its seeds"
-            mine = self.m.digest()
+            self._agreement()
             for mid, member in self.m.members.items():
                 if mid == self.id:
                     continue
-                if member.status_at <= self.woke:
-                    # it slept through (part of) the settle: the others may have started
-                    # without it, and their start announcement went to the members they kept
-                    return False, f"{mid} has not spoken since this node stalled"
-                if member.status != "waiting":
+                if member.status in ("training", "done"):
                     return False, f"{mid} is {member.status}"
-                if self.digests.get(mid) != mine:
-                    return False, f"{mid} reports a different member set"
+                if seeds and mid in self.agree and mid not in self.ready:
+                    return False, f"{mid} waits for one of its seeds"
+                if mid not in self.agree:
+                    since = " since this node stalled" if math.isfinite(self.woke) else ""
+                    return False, f"{mid} has not reported our member set{since}"
             return True, ""
 
 

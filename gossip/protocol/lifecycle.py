@@ -377,9 +377,10 @@ class Lifecycle:
             self.membership.begin_training(now)
             self.membership.target.clear()
         if mode == "fresh":
-            # tell everyone whom we started with: a member that has not noticed the
-            # settle yet then starts as one of us instead of asking to join
-            self.control.apply(self.control.announce_members())
+            # tell the others whom we started with (as an epidemic: every starter does
+            # so): a member that has not noticed the settle yet then starts as one of us
+            # instead of asking to join
+            self.control.apply(self.control.announce_members(everyone=False))
         early, self.early = self.early, []
         for msg, inc in early:
             # a member that started a new life since (after a partition, say) numbers its

@@ -89,6 +89,7 @@ class Schedule:
     clocks: list[tuple[float, float]] = field(default_factory=list)  # (drift, offset) per node
     settles: bool = True  # the last fault ends SETTLE_S before training does (the one-cluster check applies)
     group: int = 1  # ranks per member: every member is a group of this many processes
+    fanout: int = 0  # members told of each change to a member table (Timing.fanout; 0: the default, all here)
     faults: list[tuple] = field(default_factory=list)  # (time, kind, args...)
     trace: str = ""  # a hash of the run's outcome, once run
 
@@ -98,7 +99,8 @@ class Schedule:
                 f"{'nodes' if self.group == 1 else f'groups of {self.group} ranks'}, loss {self.loss:.3f}, "
                 f"jitter {self.jitter * 1e3:.1f} ms, duplicate {self.duplicate:.3f}, reorder {self.reorder:.3f} "
                 f"(by {self.reorder_by * 1e3:.0f} ms), drift {drifts}, "
-                f"{'settling' if self.settles else 'around the finish'}; "
+                f"{'settling' if self.settles else 'around the finish'}, "
+                f"fanout {self.fanout or 'default'}; "
                 + "; ".join(" ".join(map(_fmt, f)) for f in self.faults))
 
 
@@ -163,6 +165,10 @@ def draw(seed: int, groups: bool = True) -> Schedule:
                 s.faults.append((t, "stall", i, until))
     if groups:
         _draw_group(s, busy, lo, hi, end)
+        # news of a change told to 1 or 2 members instead of all (the default in clusters
+        # this small), so that the epidemic and the probes' digests carry it the rest of
+        # the way, as in large clusters (a generator of its own: the faults stay)
+        s.fanout = random.Random(s.seed * 104729 + 0xFA0).choice([0, 0, 1, 2])
     s.faults.sort()
     if s.settles:  # a fault that would end after FAULTS_END was cut there; a start at it is not a fault
         assert all(max(x for x in f if isinstance(x, float)) <= FAULTS_END for f in s.faults), s.faults
@@ -214,7 +220,7 @@ def run_schedule(s: Schedule, workdir: str, detector: str = DEFAULT_DETECTOR) ->
                    timeout=2.0, checkpoint_every=10, peers=peers, late=late, duplicate=s.duplicate,
                    reorder=s.reorder, reorder_by=s.reorder_by,
                    checkpoint_dir=lambda i: f"{workdir}/ck{i}" if i in ck else None, detector=detector,
-                   group=s.group)
+                   group=s.group, fanout=s.fanout)
     for i, (drift, offset) in enumerate(s.clocks):
         c.clock(i, drift=drift, offset=offset)
     for f in s.faults:

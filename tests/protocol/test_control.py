@@ -65,7 +65,7 @@ def test_a_fresh_start_waits_for_every_seed_of_every_member():
     a = Plane("10.0.0.1:1", seeds=("10.0.0.2:1",))
     a.receive("hello", "10.0.0.2:1", mids=["10.0.0.1:1", "10.0.0.2:1"], mincs=[1, 1], seeding=True)
     a.cp.now = 10.0
-    a.cp.digests["10.0.0.2:1"] = a.m.digest()
+    a.receive("ping", "10.0.0.2:1", digest=a.m.digest(), seeding=True)
     ok, why = a.cp.settled(10.0, 1.0)
     # our own seed answered, but the other member still waits for one of its seeds
     assert not ok and "10.0.0.2:1 waits for one of its seeds" in why
@@ -74,7 +74,7 @@ def test_a_fresh_start_waits_for_every_seed_of_every_member():
     # after --join-timeout a silent seed no longer holds the start back
     b = Plane("10.0.0.3:1", seeds=("10.0.0.9:1",))
     b.receive("hello", "10.0.0.4:1", mids=["10.0.0.3:1", "10.0.0.4:1"], mincs=[1, 1])
-    b.cp.digests["10.0.0.4:1"] = b.m.digest()
+    b.receive("ping", "10.0.0.4:1", digest=b.m.digest())
     assert b.cp.settled(10.0, 1.0)[0] is False
     assert b.cp.settled(10.0, 1.0, seeds=False) == (True, "")
 
@@ -209,7 +209,7 @@ def test_a_waiting_node_that_stalled_settles_again_on_what_the_members_say_after
         me.receive("ping", b, digest=me.m.digest())  # the backlog, drained as it wakes
         assert me.cp.settled(30.0, 1.0)[0] is False
         ok, why = me.cp.settled(31.5, 1.0)
-        assert not ok and why == f"{b} has not spoken since this node stalled"
+        assert not ok and why == f"{b} has not reported our member set since this node stalled"
         return me
 
     me = stalled()
