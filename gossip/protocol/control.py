@@ -570,7 +570,7 @@ class ControlPlane:
             if f.mdcs is not None and len(f.mdcs) == len(f.mids):
                 for mid, mdc in zip(f.mids, f.mdcs):
                     if mid in self.m.members and not self.m.members[mid].dc:
-                        self.m.members[mid].dc = mdc
+                        self.m.set_label(mid, mdc)
         if lists and f.base is not None and not self.m.started and status in ("training", "done"):
             self._learn_start(f)
         # leaves before joins: a restarted member's old life leaves before its new one joins

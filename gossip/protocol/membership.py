@@ -175,6 +175,13 @@ class Membership:
     # the failure detector's suspicion of a member (set by the control plane): a suspect
     # is not taken to have run on past when it was last heard (see round_now)
     suspected: Callable[[str], bool] = field(default=lambda mid: False, repr=False, compare=False)
+    # (version, sorted ids, digest): every change to the table or the schedule bumps
+    # version, and every ping carries the digest (see digest)
+    _views: tuple[int, tuple[str, ...], str | None] = field(default=(-1, (), None), repr=False, compare=False)
+    # datacenter labels given to members already in the table (see set_label), and the
+    # last at_round: ((version, relabels), first round, end round, members)
+    relabels: int = field(default=0, repr=False, compare=False)
+    _at_round: tuple[tuple[int, int], int, int, list[str]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.members[self.self_id] = Member(self.self_id, self.incarnation, 0.0, "waiting", dc=self.dc,
@@ -183,17 +190,30 @@ class Membership:
     # -- views ------------------------------------------------------------------------------
     def ids(self) -> list[str]:
         """Sorted ids of the members believed alive (self included)."""
-        return sorted(self.members)
+        return list(self._sorted())
+
+    def _sorted(self) -> tuple[str, ...]:
+        """The sorted ids, computed once per :attr:`version` (every change to the table
+        bumps it; a control plane asks for them, and for the digest, on every message)."""
+        version, ids, _ = self._views
+        if version != self.version or len(ids) != len(self.members):
+            ids = tuple(sorted(self.members))
+            self._views = (self.version, ids, None)
+        return ids
 
     def others(self) -> list[str]:
-        return [m for m in sorted(self.members) if m != self.self_id]
+        return [m for m in self._sorted() if m != self.self_id]
 
     def digest(self) -> str:
         """A string equal on nodes that agree on the member set and on who trains in
         which round (the schedule: starters, joins and leaves, with their lives): a
         hash of each, 33 characters whatever the cluster's size (every ping carries it)."""
-        ids = hashlib.blake2b("\n".join(self.ids()).encode(), digest_size=8).hexdigest()
-        return ids + "|" + self.schedule_digest()
+        ids = self._sorted()
+        digest = self._views[2]
+        if digest is None:
+            digest = hashlib.blake2b("\n".join(ids).encode(), digest_size=8).hexdigest() + "|" + self.schedule_digest()
+            self._views = (self.version, ids, digest)
+        return digest
 
     def schedule_digest(self) -> str:
         """A short hash of the schedule ("" before the cluster starts)."""
@@ -212,6 +232,13 @@ class Membership:
         """``mid``'s datacenter label: the table's, else the last one known ("" if never)."""
         m = self.members.get(mid)
         return m.dc if m is not None and m.dc else self.labels.get(mid, "")
+
+    def set_label(self, mid: str, dc: str) -> None:
+        """Give member ``mid`` the datacenter label ``dc`` (it orders the members)."""
+        m = self.members[mid]
+        if m.dc != dc:
+            m.dc = dc
+            self.relabels += 1
 
     def any_training(self) -> bool:
         return any(m.status in ("training", "done") for k, m in self.members.items() if k != self.self_id)
@@ -242,22 +269,27 @@ class Membership:
 
     def death_margin(self) -> int:
         """How many rounds ahead to announce the leave of a member this node found dead:
-        ``leave_margin``, and at least the rounds this node runs in a heartbeat at its
+        ``leave_margin``, and at least the rounds this node runs in ``dead_after`` at its
         pace (``rate``). The leave must reach every member before its round, which takes
         time, not rounds: a small model runs a hundred rounds a second or more, and 5
-        rounds then last a few milliseconds, so that the stretches of a ring that ran on
-        without the dead (see :meth:`round_now`) were past the round when the news came
-        and adopted the leave at rounds of their own. Waiting longer costs nothing: the
-        dead member is skipped meanwhile (see ``Lifecycle.gone``).
+        rounds then last a few milliseconds. A member that adopts the leave after its
+        round has passed already ran that round with the dead one in its topology
+        (skipped), while those that adopted it in time wait in that round for a
+        message it will never send: each side's rounds then time out. ``dead_after``
+        is the time within which the failure detector takes any live member to answer,
+        so the announcement (sent to every member, or spread in ``log n`` hops of it)
+        reaches the live ones in time even on a loaded machine; a heartbeat's worth of
+        rounds did not (CI: two nodes of an 8-node ring, 3 rounds of 5 s each). Waiting
+        longer costs nothing: the dead member is skipped meanwhile (see ``Lifecycle.gone``).
 
         >>> m = Membership("a", 1, "f", timing=Timing(heartbeat=0.25, dead_after=2.0))
         >>> m.death_margin()
         5
         >>> m.rate = 180.0  # rounds a second
         >>> m.death_margin()
-        45
+        360
         """
-        return max(self.timing.leave_margin, math.ceil(self.rate * self.timing.heartbeat))
+        return max(self.timing.leave_margin, math.ceil(self.rate * self.timing.dead_after))
 
     # -- updates ----------------------------------------------------------------------------
     def latest(self, sender: str, incarnation: int, seq: int | None) -> bool:
@@ -321,7 +353,7 @@ class Membership:
         if step is not None and not older:
             m.step = step
         if dc is not None:
-            m.dc = dc
+            self.set_label(sender, dc)
         if fingerprint is not None:
             m.fingerprint = fingerprint
         if changed:
@@ -655,8 +687,21 @@ class Membership:
         (its messages are simply missing until then); a joiner appears from its
         announced join round.
         """
+        key = (self.version, self.relabels)
+        cached = self._at_round
+        if cached is not None and cached[0] == key and cached[1] <= rnd < cached[2]:
+            return list(cached[3])
         ids = {m for m in (*self.base, *self.joins, *self.former) if self.trains_in(m, rnd)}
-        return sorted(ids, key=self.order_key)
+        members = sorted(ids, key=self.order_key)
+        # the list holds until the next round at which a life starts or ends (each
+        # bound, and the round after it, as life_in compares them)
+        edges = {e + d for e in (*self.joins.values(), *self.leaves.values(),
+                                 *(x for lives in self.former.values() for rec in lives.values() for x in rec
+                                   if x is not None)) for d in (0, 1)}
+        first = max((e for e in edges if e <= rnd), default=-(2 ** 62))
+        end = min((e for e in edges if e > rnd), default=2 ** 62)
+        self._at_round = (key, first, end, members)
+        return list(members)
 
 
 def topology_for(spec: Any, n: int, *, seed: int = 0, dcs: list[Any] | None = None) -> Any:

@@ -51,7 +51,7 @@ class Timing:
     join_margin : rounds between announcing a join and adopting it (every member
         must hear of it first)
     leave_margin : rounds between announcing a death or goodbye and adopting it (a
-        death's at least the rounds a heartbeat lasts: see ``Membership.death_margin``)
+        death's at least the rounds ``dead_after`` lasts: see ``Membership.death_margin``)
     fanout : the members a node tells of a change to its member table that it learned
         or found itself (each of them that learns something from it tells as many in
         turn); 0: ``3 + ceil(log2 n)`` in a cluster of ``n`` (see :meth:`spread`). A join

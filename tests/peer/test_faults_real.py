@@ -63,7 +63,7 @@ def test_killing_two_of_eight_nodes_costs_only_their_work(tmp_path):
     # (the rounds go on without the two once they are suspected and silent: a survivor may
     # finish before the round their leave takes effect, with them still in its topology)
     for s in faulty:
-        assert s["steps"] == steps and s["timed_out_rounds"] == 0, (s, timed_out)
+        assert s["steps"] == steps and s["timed_out_rounds"] == 0, f"{s}\n" + "\n".join(timed_out)
         assert s["max_step_gap_s"] < bound, (s["max_step_gap_s"], bound)
     for v in victims:
         assert all(f"member {v.addr} removed: silent" in x.log() for x in survivors), v.addr

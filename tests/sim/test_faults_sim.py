@@ -32,7 +32,7 @@ def partitioned(asynchronous=False, detector="heartbeat"):
 
 
 def restarted(detector="heartbeat"):
-    """Node 3 crashes at 1 s and restarts at 2 s; stopped at 1.2 s and 1.6 s on the way
+    """Node 3 crashes at 1 s and restarts at 2 s; stopped at 1.2 s and 1.8 s on the way
     (the survivors' member lists then, for the tests that read them); and the clean run."""
     key = ("restart", detector)
     if key not in _RUNS:
@@ -40,7 +40,7 @@ def restarted(detector="heartbeat"):
         dead = node_id(3)
         sim.run(until=1.2)
         early = [dead in n.members for n in sim.nodes]
-        sim.run(until=1.6)
+        sim.run(until=1.8)
         late = [dead in n.members for i, n in enumerate(sim.nodes) if i != 3]
         _RUNS[key] = sim, sim.run().result(), early, late, gossip.simulate(**COMMON)
     return _RUNS[key]
@@ -95,7 +95,7 @@ def test_a_crashed_node_is_dropped_and_a_restarted_one_catches_up(detector):
     dead = node_id(3)
     # the survivors' failure detector, not the simulator, removes it: still a member a
     # while after the crash (1.2 s), gone once it was silent for dead_after (0.3 s) and
-    # the leave round came (1.6 s)
+    # the leave round came, dead_after of rounds after that (1.8 s)
     assert all(early) and not any(late)
     ups = [h["nodes_up"] for h in r.history]
     assert min(ups) == 7 and ups[-1] == 8
