@@ -184,19 +184,25 @@ class Decision:
 @dataclass(frozen=True)
 class News:
     """What the other ranks need from rank 0 at once, not at the next decision: the members
-    rank 0 holds dead (a round's wait for them ends), the members it knows with their lives
+    rank 0 holds dead in its round and the few before it (``(round, ids)``: a rank's wait in
+    that round for them ends; a rank may still wait in a round rank 0 has left, for a
+    member's old life that a new one replaces in rank 0's round), the members it knows with their lives
     (``known``: each rank opens its connection to rank r of a member, or of a member's new
     life, as soon as rank 0 hears of it, long before a round sends state on it), and
     hand-overs in the middle of a round (``(number, joiner, round, step)``: the shards of
     ``round`` at local ``step``, before it is mixed)."""
 
-    dead: tuple[str, ...] = ()
+    dead: tuple[tuple[int, tuple[str, ...]], ...] = ()
     handovers: tuple[tuple[int, str, int, int], ...] = ()
     known: tuple[tuple[str, int], ...] = ()
 
+    def dead_in(self, rnd: int) -> tuple[str, ...]:
+        """The members rank 0 holds dead in round ``rnd`` (none if it did not say)."""
+        return next((ids for r, ids in self.dead if r == rnd), ())
+
     def to_json(self) -> str:
-        return json.dumps({"dead": list(self.dead), "handovers": [list(h) for h in self.handovers],
-                           "known": [list(k) for k in self.known]})
+        return json.dumps({"dead": [[r, list(ids)] for r, ids in self.dead],
+                           "handovers": [list(h) for h in self.handovers], "known": [list(k) for k in self.known]})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "News":
@@ -212,8 +218,10 @@ class News:
             return isinstance(v, int) and not isinstance(v, bool)
 
         dead, handovers, known = raw.get("dead", []), raw.get("handovers", []), raw.get("known", [])
-        if not isinstance(dead, list) or not all(isinstance(x, str) for x in dead):
-            raise ValueError("news dead must be a list of member ids")
+        if not isinstance(dead, list) or not all(
+                isinstance(d, list) and len(d) == 2 and integer(d[0]) and isinstance(d[1], list)
+                and all(isinstance(x, str) for x in d[1]) for d in dead):
+            raise ValueError("news dead must be a list of [round, [member ids]]")
         if not isinstance(handovers, list) or not all(
                 isinstance(h, list) and len(h) == 4 and isinstance(h[1], str) and all(integer(h[i]) for i in (0, 2, 3))
                 for h in handovers):
@@ -221,7 +229,8 @@ class News:
         if not isinstance(known, list) or not all(
                 isinstance(k, list) and len(k) == 2 and isinstance(k[0], str) and integer(k[1]) for k in known):
             raise ValueError("news known must be a list of [member id, life]")
-        return cls(tuple(dead), tuple(tuple(h) for h in handovers), tuple(tuple(k) for k in known))
+        return cls(tuple((r, tuple(ids)) for r, ids in dead), tuple(tuple(h) for h in handovers),
+                   tuple(tuple(k) for k in known))
 
 
 class GroupLink(Protocol):

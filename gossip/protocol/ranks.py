@@ -33,6 +33,7 @@ __all__ = ["Start", "GroupLead", "GroupFollow", "POLL", "LISTEN", "NEWS_EVERY"]
 
 log = logging.getLogger("gossip.group")
 
+DEAD_ROUNDS = 8  # the rounds before rank 0's that its news says the dead of (a rank lags a round or two)
 POLL = 0.05  # seconds between looks at the link (acks, a decision) and at a waiting round's dead
 LISTEN = 0.2  # seconds a follower waits for a decision before looking at rank 0's news again
 NEWS_EVERY = 0.2  # seconds between a training follower's looks at rank 0's news
@@ -80,7 +81,7 @@ class GroupLead:
         self.starts = 0  # start decisions published (a life's, or a start asked again)
         self.stopped = False
         self._alive_version: tuple[int, int | None] | None = None  # (member table version, round) last looked at
-        self._dead: tuple[str, ...] = ()
+        self._dead: tuple[tuple[int, tuple[str, ...]], ...] = ()
         self._known: tuple[tuple[str, int], ...] = ()
         self._mid: list[tuple[int, str, int, int]] = []  # hand-overs in the middle of a round (News)
         self._mid_number = 0
@@ -115,8 +116,14 @@ class GroupLead:
                 return
             self._alive_version = version
             table = life.membership.members
-            # (a member may be gone for this round and train again from a later one: a new life)
-            dead = tuple(m for m in node.members if life.gone(m, node.round)) if node is not None else ()
+            # (a member may be gone for this round and train again from a later one: a new life;
+            # a rank may still wait in a round before rank 0's for the old one)
+            dead: tuple[tuple[int, tuple[str, ...]], ...] = ()
+            if node is not None:
+                rounds = range(max(0, node.round - DEAD_ROUNDS), node.round + 1)
+                dead = tuple((q, ids) for q in rounds
+                             if (ids := tuple(m for m in (node.members if q == node.round
+                                                          else life.membership.at_round(q)) if life.gone(m, q))))
             known = tuple((m, x.incarnation) for m, x in sorted(table.items()) if m != self.id)
             if (dead, known) == (self._dead, self._known):
                 return
@@ -469,7 +476,7 @@ class GroupFollow:
                 return now
             if now - self._news_at >= POLL:
                 news, self._news_at = self.look(), now
-                if f.awaited_dead(news.dead):
+                if f.awaited_dead(news.dead_in(node.round)):
                     f.skipped_waits += 1
                     return now
             now = yield Poll(min(POLL, deadline - now))

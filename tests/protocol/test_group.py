@@ -73,13 +73,13 @@ def test_a_malformed_decision_is_refused_naming_what_is_wrong(text, needle) -> N
 
 
 def test_news_survives_json_and_refuses_what_is_not_rank_0s() -> None:
-    news = News(dead=(B,), handovers=((3, C, 4, 9), (4, B, 5, 11)), known=((B, 2), (C, 7)))
+    news = News(dead=((4, (B,)), (5, (B, C))), handovers=((3, C, 4, 9), (4, B, 5, 11)), known=((B, 2), (C, 7)))
     back = News.from_json(news.to_json())
-    assert back == news
+    assert back == news and back.dead_in(5) == (B, C) and back.dead_in(6) == ()
     assert News.from_json("{}") == News()  # nothing published yet reads as no news
     for text, field in (('[1, 2]', "JSON object"), ('{"handovers": [[1, "x:1", 2]]}', "handovers"),
                         ('{"known": [["x:1", "two"]]}', "known"), ('{"dead": "abc"}', "dead"),
-                        ('{"dead": ["x:1", 7]}', "dead"), ("not json", "must be JSON")):
+                        ('{"dead": ["x:1"]}', "dead"), ('{"dead": [[3, ["x:1", 7]]]}', "dead"), ("not json", "must be JSON")):
         with pytest.raises(ValueError, match=field):
             News.from_json(text)
 
