@@ -33,12 +33,18 @@ what is explored is the protocol, and its invariants do not depend on the model:
   only seeds dead for good, nobody remembering them) are held to this in the
   sets that can (``_can_meet``).
 
+``--churn`` draws dense-fault schedules instead (:func:`draw_churn`): 6 to 16 nodes, a
+fault every 0.3 to 1.5 s up to ``FAULTS_END`` (5 to 25 of them), a node faulted again
+once its last fault is over (restarted twice, stalled while it joins, a donor restarted
+while a joiner pulls its state), under the same invariants.
+
 A run that breaks one prints its seed; ``--replay SEED`` runs exactly that
 schedule again. The last line is one JSON object: ``runs``, ``violations``,
 ``schedules_per_cpu_minute`` (and the failing seeds).
 
     python -m gossip.sim.explore --runs 20 --seed 1
     python -m gossip.sim.explore --runs 20 --seed 1 --detector swim
+    python -m gossip.sim.explore --runs 20 --seed 1 --churn
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -62,7 +69,7 @@ from gossip.protocol.timing import DEFAULT_DETECTOR, DETECTORS
 from gossip.sim.cluster import SimCluster
 from gossip.transport.links import LinkModel
 
-__all__ = ["Schedule", "draw", "run_schedule", "check", "trace", "main"]
+__all__ = ["Schedule", "draw", "draw_churn", "run_schedule", "check", "trace", "main"]
 
 STEP_S = 0.2   # virtual seconds per local step (and round): few rounds, each one a full round
 STEPS = 100    # 20 virtual seconds of training
@@ -90,6 +97,7 @@ class Schedule:
     settles: bool = True  # the last fault ends SETTLE_S before training does (the one-cluster check applies)
     group: int = 1  # ranks per member: every member is a group of this many processes
     fanout: int = 0  # members told of each change to a member table (Timing.fanout; 0: the default, all here)
+    churn: bool = False  # a dense-fault schedule (draw_churn)
     faults: list[tuple] = field(default_factory=list)  # (time, kind, args...)
     trace: str = ""  # a hash of the run's outcome, once run
 
@@ -99,7 +107,7 @@ class Schedule:
                 f"{'nodes' if self.group == 1 else f'groups of {self.group} ranks'}, loss {self.loss:.3f}, "
                 f"jitter {self.jitter * 1e3:.1f} ms, duplicate {self.duplicate:.3f}, reorder {self.reorder:.3f} "
                 f"(by {self.reorder_by * 1e3:.0f} ms), drift {drifts}, "
-                f"{'settling' if self.settles else 'around the finish'}, "
+                f"{'dense faults' if self.churn else 'settling' if self.settles else 'around the finish'}, "
                 f"fanout {self.fanout or 'default'}; "
                 + "; ".join(" ".join(map(_fmt, f)) for f in self.faults))
 
@@ -172,6 +180,86 @@ def draw(seed: int, groups: bool = True) -> Schedule:
     s.faults.sort()
     if s.settles:  # a fault that would end after FAULTS_END was cut there; a start at it is not a fault
         assert all(max(x for x in f if isinstance(x, float)) <= FAULTS_END for f in s.faults), s.faults
+    return s
+
+
+def draw_churn(seed: int) -> Schedule:
+    """The dense-fault schedule of run ``seed`` (``--churn``): 6 to 16 single-process
+    nodes and a fault every 0.3 to 1.5 virtual seconds from the start to ``FAULTS_END``
+    (5 to 25 of them): crashes (at most a third of the nodes for good), restarts with and
+    without a checkpoint, stalls, partitions, late starts and delay spikes, a node
+    faulted again once its last fault is over (a node restarted twice, a stall during its
+    own join, a donor restarted while a joiner pulls its state), and the same message
+    loss, jitter, duplication, reordering and clock drift as the settling schedules. The
+    invariants are the same, the one-cluster check included (the faults end
+    ``SETTLE_S`` before training does). Drawn from a generator of its own: the
+    settling schedules of every seed stay the ones earlier commits explored."""
+    rng = random.Random(f"churn|{seed}")
+    n = rng.randint(6, 16)
+    s = Schedule(seed, n, loss=rng.choice([0.0, 0.0, 0.005, 0.02]), jitter=rng.choice([0.0, 0.002, 0.02]),
+                 duplicate=rng.choice([0.0, 0.0, 0.01, 0.05]), reorder=rng.choice([0.0, 0.0, 0.01, 0.05]),
+                 reorder_by=rng.choice([0.01, 0.1, 0.5]), churn=True)
+    if rng.random() < 0.5:
+        s.clocks = [(rng.choice([0.0, 1e-4, -1e-4, 0.01, -0.01, 0.05, -0.05]), round(rng.uniform(0.0, 1000.0), 3))
+                    for _ in range(n)]
+    s.fanout = rng.choice([0, 0, 1, 2])
+    end = lambda t: round(min(FAULTS_END, t), 2)  # noqa: E731
+    free_at = [0.0] * n  # when each node's last fault is over (inf: crashed for good)
+    gone, late = 0, 0
+    t = 0.0
+    while True:
+        t = round(t + rng.uniform(0.3, 1.5), 2)
+        if t >= FAULTS_END:
+            break
+        kind = rng.choice(["crash", "restart", "restart", "restart-ck", "restart-ck", "stall", "stall", "partition",
+                           "late", "spike"])
+        if kind == "spike":
+            i, j = rng.sample(range(n), 2)
+            until, delay = end(t + rng.uniform(0.2, 3.0)), rng.choice([0.05, 0.3, 1.0, 2.5])
+            if until > t:
+                s.faults.append((t, "spike", min(i, j), max(i, j), until, delay))
+            continue
+        free = [i for i in range(n) if free_at[i] <= t]
+        if kind == "partition":
+            if any(t < f < math.inf for f in free_at):  # (every node alive unfaulted: it acts on them all)
+                continue
+            cut = rng.randint(1, n - 1)
+            ids = list(range(n))
+            rng.shuffle(ids)
+            heal = end(t + rng.uniform(0.5, 4.0))
+            if heal > t:
+                s.faults.append((t, "partition", sorted(ids[:cut]), sorted(ids[cut:]), heal))
+                free_at = [max(f, heal) for f in free_at]
+            continue
+        if not free:
+            continue
+        if kind == "late":  # it starts at t (its seeds: the nodes that start at 0): never faulted before
+            fresh = [i for i in free if not any(f[2] == i for f in s.faults if f[1] != "partition" and f[1] != "spike")]
+            if late >= 2 or len(fresh) < 2 or t > FAULTS_END / 2:
+                continue
+            i = rng.choice(fresh)
+            late += 1
+            s.faults.append((t, "late", i))
+            free_at[i] = t + 1.0
+            continue
+        i = rng.choice(free)
+        if kind == "crash":
+            if gone >= n // 3 or any(f[1] == "late" and f[2] == i for f in s.faults):
+                continue
+            gone += 1
+            s.faults.append((t, "crash", i))
+            free_at[i] = math.inf
+        elif kind in ("restart", "restart-ck"):
+            back = end(t + rng.uniform(0.2, 2.5))
+            if back > t:
+                s.faults.append((t, kind, i, back))
+                free_at[i] = back + rng.uniform(0.0, 1.0)  # (a new life: faulted again, maybe while it joins)
+        else:
+            until = end(t + rng.uniform(0.5, 3.5))
+            if until > t:
+                s.faults.append((t, "stall", i, until))
+                free_at[i] = until
+    s.faults.sort(key=lambda f: (f[0], f[1]))
     return s
 
 
@@ -361,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--single", action="store_true",
                        help="single-process nodes only: every seed's schedule as drawn before groups were (replay "
                             "the seeds found then with it)")
+    which.add_argument("--churn", action="store_true",
+                       help="dense-fault schedules (draw_churn): 6 to 16 nodes, a fault every 0.3-1.5 s")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the protocol (INFO)")
     args = ap.parse_args(argv)
     if args.runs < 1:
@@ -374,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     ran = 0
     for seed in seeds:
-        s = draw(seed, groups=not args.single)
+        s = draw_churn(seed) if args.churn else draw(seed, groups=not args.single)
         if args.groups and s.group == 1 and args.replay is None:
             continue
         ran += 1
@@ -391,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             for b in bad:
                 print(f"  {b}", file=sys.stderr)
             print(f"  replay: python -m gossip.sim.explore --replay {seed} --detector {args.detector}"
-                  f"{' --single' if args.single else ''}", file=sys.stderr)
+                  f"{' --single' if args.single else ' --churn' if args.churn else ''}", file=sys.stderr)
         elif args.replay is not None or args.verbose:
             print(f"ok {s.describe()}", file=sys.stderr)
     cpu = time.process_time() - cpu0

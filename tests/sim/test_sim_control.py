@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -294,6 +295,47 @@ def test_explored_schedules_hold_every_invariant_with_the_heartbeat_detector(tmp
         c = explore.run_schedule(s, str(tmp_path / name), name)
         lives = [p.life for p in c.procs if p.life is not None]
         assert lives and all(isinstance(life.control.detector, kind) for life in lives)
+
+
+def test_dense_fault_schedules_fault_nodes_again_and_stay_within_their_window():
+    """``--churn`` draws 6 to 16 nodes and a fault every 0.3-1.5 s up to FAULTS_END, from a
+    generator of its own: a node is faulted again once its last fault is over (never
+    during it), at most a third crash for good, a partition only while every live node
+    is unfaulted, and the settling schedules of the same seeds do not change."""
+    from gossip.sim import explore
+
+    schedules = [explore.draw_churn(seed) for seed in range(200)]
+    assert schedules[7] == explore.draw_churn(7) and explore.draw(7) == explore.draw(7)
+    assert not explore.draw(7).churn and all(s.churn and s.settles and s.group == 1 for s in schedules)
+    assert {s.n for s in schedules} == set(range(6, 17))
+    assert max(len(s.faults) for s in schedules) >= 10
+    again = 0
+    for s in schedules:
+        assert all(f[0] < explore.FAULTS_END and max(x for x in f if isinstance(x, float)) <= explore.FAULTS_END
+                   for f in s.faults), s.faults
+        assert sum(f[1] == "crash" for f in s.faults) <= s.n // 3
+        busy: dict[int, float] = {}  # node -> when its fault ends
+        for f in s.faults:
+            t, kind = f[0], f[1]
+            if kind == "spike":
+                continue
+            if kind == "partition":
+                assert all(end <= t for end in busy.values() if end != math.inf), (s.seed, f, busy)
+                busy = {i: max(end, f[4]) for i, end in busy.items()} | {
+                    i: f[4] for i in range(s.n) if i not in busy}
+                continue
+            i = f[2]
+            assert busy.get(i, 0.0) <= t, (s.seed, f, busy)
+            again += i in busy and busy[i] != math.inf
+            busy[i] = math.inf if kind == "crash" else t if kind == "late" else f[3]  # (stall, restart: its end)
+    assert again > 50  # nodes restarted or stalled again, often
+
+
+def test_dense_fault_schedules_hold_every_invariant():
+    """A bounded form of ``python -m gossip.sim.explore --churn``."""
+    from gossip.sim import explore
+
+    assert explore.main(["--churn", "--runs", "3", "--seed", "5"]) == 0
 
 
 @pytest.mark.skipif(not os.environ.get("GOSSIP_SOAK"), reason="soak form: set GOSSIP_SOAK=1 (about 30 CPU-minutes)")
