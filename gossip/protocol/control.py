@@ -597,7 +597,8 @@ class ControlPlane:
             # a new life of a member we train with: its old life sends no more. It leaves
             # at an announced round (its new life joins when it says hello to someone,
             # maybe in another cluster, see foreign above)
-            scheduled = self.m.announce_leave(peer, self.m.max_round() + self.timing.leave_margin, ended)
+            scheduled = self.m.announce_leave(
+                peer, self.m.max_round() + self.m.announce_margin(self.timing.leave_margin), ended)
         if msg.kind != "hello":
             return new_member, False, scheduled
         active = self.m.counts(peer, inc)
@@ -607,7 +608,8 @@ class ControlPlane:
                 and not other:
             # a node joins a running cluster (a new one, or a new life of a member):
             # everyone adopts it from the same future round, after its old life left
-            eff = max(max(my_round, self.m.max_round()) + self.timing.join_margin, self.m.leaves.get(peer, 0))
+            eff = max(max(my_round, self.m.max_round()) + self.m.announce_margin(self.timing.join_margin),
+                      self.m.leaves.get(peer, 0))
             self.m.announce_join(peer, eff, inc)
             log.info("%s: %s joins the running cluster from round %d", self.id, peer, eff)
             new_member = scheduled = True
@@ -739,10 +741,15 @@ class ControlPlane:
         by now this node has declared that side dead too, and the clusters meet
         later as foreign ones (see ``foreign`` in _control).
 
-        A member that is alive, that this node still trains with, and whose lists
-        drop this node while others this node trains with are not in its cluster,
-        is the one out of line (it dropped members that the rest still count):
-        this node drops it in turn. Otherwise the two would stay apart for good,
+        It joins again too when the members whose lists dropped it are the stronger
+        side (``stronger``) against this node and the others it trains with: two
+        nodes paused at once are both declared dead, and neither is in the other's
+        excluders' cluster (explorer seed 3000206 with ``--churn``: two nodes stalled
+        past ``--dead-after`` together each dropped the six others and trained as a
+        cluster of two). Otherwise a member that is alive, that this node still
+        trains with, and whose lists drop this node while others this node trains
+        with are not in its cluster, is the one out of line (it dropped members that
+        the rest still count): this node drops it in turn. Otherwise the two would stay apart for good,
         neither sending to the other (its lists never take this node back, and
         each node it dropped would wait for the others to be counted first). Once
         dropped, it sees this node's cluster as another one, and of the two the
@@ -751,8 +758,13 @@ class ControlPlane:
         with self.lock:
             ours = self.m.eventual() - {self.id}
             alive = {k for k, m in self.m.members.items() if now - m.last_seen <= self.timing.dead_after}
+        # the members whose lists dropped this node, against this node and the others it
+        # trains with (two nodes paused at once are both declared dead: the larger side
+        # goes on). One member's lists alone are that member's view, not its cluster's
+        excluders = {by for by in evidence if by in alive and by in ours}
+        most = stronger(excluders, {self.id} | (ours - excluders))
         for by, (theirs, rnd) in sorted(evidence.items()):
-            if by in alive and by in ours and ours <= theirs:
+            if by in excluders and (ours <= theirs or most):
                 if self.progress()[0] == "training":
                     fx.verdict = (rnd, by, theirs, False)
                 return

@@ -200,10 +200,13 @@ class Joining:
                     node.adopt_handover(values, reply.extra)  # parameters, and any outer momentum
                     if life.audit:
                         self.took = (giver, sha256_of(node.state.flat))
-                    # a joiner that fell behind (slow start, a busy machine) starts at the
-                    # donor's round: the cluster went on without it, and its members drop
-                    # messages of rounds they have finished
-                    start_round = max(start_round, reply.round)
+                    # a joiner that fell behind (slow start, a busy machine) starts later: its
+                    # neighbours went on without it (each waited out a round), and they drop
+                    # messages of rounds they have finished. At the donor's round, unless a
+                    # neighbour of its first round is not that far yet: a donor that is no
+                    # neighbour (they wait to join too, after a merge) does not wait for it,
+                    # and the neighbours that do would wait out a round for each it skipped
+                    start_round = max(start_round, min(reply.round, self._neighbours_round(start_round)))
                     node.jump_to(self._join_step(start_round))
                     if reply.weight is not None and node.rule.weight is not None:
                         node.rule.weight = 1.0  # a newcomer brings its own unit of push-sum mass
@@ -215,6 +218,19 @@ class Joining:
                     return True
         self.replies.clear()
         return False
+
+    def _neighbours_round(self, rnd: int) -> int:
+        """The lowest round its training neighbours of round ``rnd`` (in and out) last
+        reported; ``rnd`` when none trains (they join too, at that round)."""
+        life = self.life
+        node = life.node
+        assert node is not None
+        near = set(node.topology.in_neighbors(node.index, rnd)) | set(node.topology.out_neighbors(node.index, rnd))
+        ids = [node.members[j] for j in near if j != node.index]
+        with life.lock:
+            table = life.membership.members
+            rounds = [table[m].round for m in ids if m in table and table[m].status == "training"]
+        return min(rounds, default=rnd)
 
     def _join_step(self, start_round: int) -> int:
         """The local step a joiner continues from: its join round's first step; a join

@@ -291,6 +291,29 @@ class Membership:
         """
         return max(self.timing.leave_margin, math.ceil(self.rate * self.timing.dead_after))
 
+    def announce_margin(self, rounds: int) -> int:
+        """How many rounds ahead to schedule a join, or a restarted member's old life's
+        leave (``rounds``: ``join_margin`` or ``leave_margin``): that many, and at least
+        the rounds this node runs in two heartbeats at its pace (``rate``). The member
+        that schedules it tells every member at once (one hop), and all must hear it
+        before its round: members run in step, a few rounds apart, but a small model
+        runs a hundred rounds a second, and 20 rounds then last 0.2 s, not always
+        enough on a loaded machine (a member that adopts a change after its round
+        builds another ring than the rest for the rounds between, and rounds time out).
+        The joiner waits for its round, so slow rounds keep the configured count.
+        Members that schedule the same joiner at once may pick different rounds (each
+        counts its own pace): the earliest wins, and a joiner starts no later than its
+        neighbours' round (see ``Joining``).
+
+        >>> m = Membership("a", 1, "f", timing=Timing(heartbeat=0.25, dead_after=2.0))
+        >>> m.announce_margin(m.timing.join_margin), m.announce_margin(m.timing.leave_margin)
+        (20, 5)
+        >>> m.rate = 180.0  # rounds a second
+        >>> m.announce_margin(m.timing.join_margin), m.announce_margin(m.timing.leave_margin)
+        (90, 90)
+        """
+        return max(rounds, math.ceil(self.rate * 2 * self.timing.heartbeat))
+
     # -- updates ----------------------------------------------------------------------------
     def latest(self, sender: str, incarnation: int, seq: int | None) -> bool:
         """Whether control message ``seq`` of ``sender``'s life ``incarnation`` is the latest

@@ -381,7 +381,7 @@ class SimCluster:
             return True
         node, cfg = life.node, q.cfg
         return life.status == "training" and node is not None \
-            and node.round + cfg.timing.join_margin >= cfg.steps // cfg.mixing.period
+            and node.round + life.membership.announce_margin(cfg.timing.join_margin) >= cfg.steps // cfg.mixing.period
 
     def _crash(self, i: int) -> None:
         for p in self.ranks[i]:  # a group: torchrun ends every rank when one dies

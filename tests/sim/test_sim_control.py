@@ -331,6 +331,22 @@ def test_dense_fault_schedules_fault_nodes_again_and_stay_within_their_window():
     assert again > 50  # nodes restarted or stalled again, often
 
 
+@pytest.mark.parametrize("detector", ["heartbeat", "swim"])
+def test_dense_fault_schedules_that_once_failed_hold_every_invariant(detector, tmp_path):
+    """Seed 3000206 (``--churn``, heartbeat detector): nodes 3 and 6 stalled past
+    --dead-after at overlapping times and were both declared dead; each judged that the
+    member whose lists dropped it was the one out of line (the other stalled node, which
+    it still trained with, was not in that member's cluster either), dropped all six
+    others, and the two trained as a cluster of their own: survivors ended in clusters
+    of 8 and 2. When the members whose lists dropped a node are the stronger side against
+    it and the others it trains with, it now joins again (ControlPlane._judge_exclusion)."""
+    from gossip.sim import explore
+
+    s = explore.draw_churn(3000206)
+    assert [f[1:3] for f in s.faults if f[1] == "stall"][:2] == [("stall", 3), ("stall", 6)]
+    assert explore.check(explore.run_schedule(s, str(tmp_path), detector), s.settles) == []
+
+
 def test_dense_fault_schedules_hold_every_invariant():
     """A bounded form of ``python -m gossip.sim.explore --churn``."""
     from gossip.sim import explore
