@@ -746,11 +746,11 @@ class ControlPlane:
         nodes paused at once are both declared dead, and neither is in the other's
         excluders' cluster (explorer seed 3000206 with ``--churn``: two nodes stalled
         past ``--dead-after`` together each dropped the six others and trained as a
-        cluster of two). Otherwise a member that is alive, that this node still
-        trains with, and whose lists drop this node while others this node trains
-        with are not in its cluster, is the one out of line (it dropped members that
-        the rest still count): this node drops it in turn. Otherwise the two would stay apart for good,
-        neither sending to the other (its lists never take this node back, and
+        cluster of two). Else a member that is alive, that this node still trains
+        with, and whose lists drop this node while others this node trains with are
+        not in its cluster, is the one out of line (it dropped members that the rest
+        still count): this node drops it in turn. Otherwise the two would stay apart
+        for good, neither sending to the other (its lists never take this node back, and
         each node it dropped would wait for the others to be counted first). Once
         dropped, it sees this node's cluster as another one, and of the two the
         stronger goes on (see ``foreign``)."""
