@@ -95,7 +95,7 @@ def test_a_crashed_node_is_dropped_and_a_restarted_one_catches_up(detector):
     dead = node_id(3)
     # the survivors' failure detector, not the simulator, removes it: still a member a
     # while after the crash (1.2 s), gone once it was silent for dead_after (0.3 s) and
-    # the leave round came, dead_after of rounds after that (1.8 s)
+    # the leave round came, half of dead_after of rounds after that (by 1.8 s)
     assert all(early) and not any(late)
     ups = [h["nodes_up"] for h in r.history]
     assert min(ups) == 7 and ups[-1] == 8

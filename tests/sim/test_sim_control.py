@@ -347,6 +347,21 @@ def test_dense_fault_schedules_that_once_failed_hold_every_invariant(detector, t
     assert explore.check(explore.run_schedule(s, str(tmp_path), detector), s.settles) == []
 
 
+@pytest.mark.parametrize("detector", ["heartbeat", "swim"])
+def test_a_restart_just_before_the_end_joins_or_says_why(detector, tmp_path):
+    """Seed 303001020 (found at 87be879, a death's leave then `dead_after` of rounds ahead):
+    node 1 crashed at 18.33 s and came back from its checkpoint at 20.51 s, near the end;
+    its join could not come before its old life's leave, 2 s of rounds past the crash's
+    detection, and every member finished first: it exited with that error although it came
+    back while they trained on (no allowance: none was a join margin from its end). Half
+    of ``dead_after`` (the margin since) keeps the leave, and the join, within the run."""
+    from gossip.sim import explore
+
+    s = explore.draw(303001020)
+    assert ("restart-ck", 1) in [f[1:3] for f in s.faults] and not s.settles
+    assert explore.check(explore.run_schedule(s, str(tmp_path), detector), s.settles) == []
+
+
 def test_dense_fault_schedules_hold_every_invariant():
     """A bounded form of ``python -m gossip.sim.explore --churn``."""
     from gossip.sim import explore
