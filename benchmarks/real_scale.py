@@ -42,12 +42,18 @@ from tests.cluster import Cluster, free_port  # noqa: E402
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
+def stamps(log: str, needle: str) -> list[float]:
+    """The times (seconds since the epoch) of the node log lines that hold ``needle``."""
+    return [datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            for line in log.splitlines() if needle in line and (m := STAMP.match(line))]
+
+
 def stamp(log: str, needle: str) -> float:
-    """The time of the first log line that holds ``needle`` (seconds since the epoch)."""
-    for line in log.splitlines():
-        if needle in line and (m := STAMP.match(line)):
-            return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    raise ValueError(f"no log line holds {needle!r}")
+    """The time of the first log line that holds ``needle``."""
+    times = stamps(log, needle)
+    if not times:
+        raise ValueError(f"no log line holds {needle!r}")
+    return times[0]
 
 
 def run(work: Path, n: int, steps: int, limit: float) -> dict:

@@ -33,35 +33,27 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.churn import _args  # noqa: E402
+from benchmarks.real_scale import stamps  # noqa: E402
 from tests.cluster import Cluster, NodeProc, free_port  # noqa: E402
 
-STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 PHASES = ("start_s", "discover_s", "join_s", "first_step_s", "total_s")
 
 
 def first_after(logs: list[str], needle: str, after: float) -> float | None:
     """The earliest time (seconds since the epoch) after ``after`` of a line holding
     ``needle`` in any of ``logs``."""
-    best = None
-    for log in logs:
-        for line in log.splitlines():
-            if needle in line and (m := STAMP.match(line)):
-                t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                if t >= after - 0.001 and (best is None or t < best):
-                    best = t
-    return best
+    times = [t for log in logs for t in stamps(log, needle) if t >= after - 0.001]
+    return min(times, default=None)
 
 
 def measure(work: Path, n: int, restarts: int, every: float, down: float, seed: int) -> dict:

@@ -137,10 +137,7 @@ def draw(seed: int, groups: bool = True) -> Schedule:
         kind = rng.choice(["crash", "restart", "restart-ck", "stall", "partition", "late", "spike"])
         t = round(rng.uniform(lo, hi), 2)
         if kind == "spike":  # a link, not a node: any number of them
-            i, j = rng.sample(range(n), 2)
-            until, delay = end(t + rng.uniform(0.2, 3.0)), rng.choice([0.05, 0.3, 1.0, 2.5])
-            if until > t:  # (a window drawn at FAULTS_END itself is empty: no fault)
-                s.faults.append((t, "spike", min(i, j), max(i, j), until, delay))
+            _draw_spike(rng, s, t, end)
             continue
         if kind == "partition":
             if busy:
@@ -183,6 +180,15 @@ def draw(seed: int, groups: bool = True) -> Schedule:
     return s
 
 
+def _draw_spike(rng: random.Random, s: Schedule, t: float, end: Any) -> None:
+    """A delay spike on a link drawn at ``t`` (none when its window, cut by ``end``, is empty:
+    a window drawn at FAULTS_END itself)."""
+    i, j = rng.sample(range(s.n), 2)
+    until, delay = end(t + rng.uniform(0.2, 3.0)), rng.choice([0.05, 0.3, 1.0, 2.5])
+    if until > t:
+        s.faults.append((t, "spike", min(i, j), max(i, j), until, delay))
+
+
 def draw_churn(seed: int) -> Schedule:
     """The dense-fault schedule of run ``seed`` (``--churn``): 6 to 16 single-process
     nodes and a fault every 0.3 to 1.5 virtual seconds from the start to ``FAULTS_END``
@@ -214,10 +220,7 @@ def draw_churn(seed: int) -> Schedule:
         kind = rng.choice(["crash", "restart", "restart", "restart-ck", "restart-ck", "stall", "stall", "partition",
                            "late", "spike"])
         if kind == "spike":
-            i, j = rng.sample(range(n), 2)
-            until, delay = end(t + rng.uniform(0.2, 3.0)), rng.choice([0.05, 0.3, 1.0, 2.5])
-            if until > t:
-                s.faults.append((t, "spike", min(i, j), max(i, j), until, delay))
+            _draw_spike(rng, s, t, end)
             continue
         free = [i for i in range(n) if free_at[i] <= t]
         if kind == "partition":
