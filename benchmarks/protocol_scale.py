@@ -20,7 +20,8 @@ One run per cluster size ``n``:
   bytes on the wire, sent per node per second over ``--steady`` seconds of training
   after formation; with ``biggest_ctrl_msg_bytes`` by kind over the whole run;
 - ``detect_s``: for each of ``--crashes`` crashes in turn, the seconds until every
-  survivor has removed the crashed node from its member table (the worst);
+  survivor has removed the crashed node from its member table (the worst; each crash's
+  in ``detect_each_s``);
 - ``join_s``: a node started late, seeded with node 0: seconds until its first step;
 - ``false_deaths``: removals of a node that never crashed, summed over all nodes' tables
   (their ``member ... removed: silent`` verdicts);
@@ -136,6 +137,7 @@ def run(n: int, *, loss: float = 0.01, step_time: float = 0.1, steady: float = 1
         "ctrl_bytes_per_node_s": round(nbytes / (n * steady), 1),
         "ctrl_bytes_per_msg": round(nbytes / max(1, msgs), 1),
         "detect_s": round(max(detect), 3),
+        "detect_each_s": [round(d, 3) for d in detect],
         "join_s": None if join_s is None else round(join_s, 3),
         "false_deaths": sum(k for mid, k in verdicts.removed.items() if mid not in crashed),
         "wall_s_per_member_s": round(wall / (n * c.now), 6),

@@ -29,7 +29,7 @@ __all__ = ["pack_optimizer", "unpack_optimizer", "optimizer_numel", "encode_meta
 
 MAX_META = 4 * 2**20  # decompressed description bytes accepted from a peer
 CHUNK = 4000  # characters per header string (the wire allows 4096)
-MAX_HEADER_CHARS = 48 * 1024  # what the description may take of the 64 KiB header
+MAX_HEADER_CHARS = 48 * 1024  # what the description may take of a header
 SMALL = 16  # tensors of at most this many elements travel inline (step counts, scalars)
 
 

@@ -738,7 +738,7 @@ class GossipNode:
         peer.life.answer_requests(every=True)  # no more steps to answer between
         # said now, not at the next ping: it reaches each member before this node's next round does,
         # so a member whose data ends later knows that nobody needs it to serve
-        peer.control.apply(peer.control.announce_members())
+        peer.control.apply(peer.control.announce_status())
         step, served = node.step, 0
         try:
             while not peer.stop.is_set() and peer._excluded is None:

@@ -47,11 +47,13 @@ MAX_CONFLICTS = 64  # peers we remember (and answer) for refusing to mix: each c
 MAX_LOGGED = 10_000  # (peer, reason) pairs logged once each
 PACE_WINDOWS = 10  # seconds of this node's pace (rounds a second, measured each second) kept
 MAX_PROBED = 64  # members declared dead we keep saying hello to (the most recent); lists that drop us kept
-MAX_AGREE_BYTES = 4096 // 8  # an agreement bitmap: a bit per member, as many as a member list holds
+DELTA_IDS = 256  # members in one delta message (see ControlPlane._delta_messages): about 11 KB
+MAX_MEMBERS = 65536  # entries in one list of a control message (SWIM remembers as many, SwimOptions.max_members)
+MAX_AGREE_BYTES = MAX_MEMBERS // 8  # an agreement bitmap: a bit per member, as many as a member list holds
 BACKOFF_MAX = 8.0  # seconds between hellos to a seed that does not answer or a member declared dead, at most
 
 
-def _str_list(x: dict, key: str, limit: int = 4096, min_len: int = 1) -> list[str] | None:
+def _str_list(x: dict, key: str, limit: int = MAX_MEMBERS, min_len: int = 1) -> list[str] | None:
     v = x.get(key)
     if v is None:
         return None
@@ -101,6 +103,8 @@ class ControlFields:
     # the sender knows to report that digest while waiting, and those of them whose seeds
     # all answered (see ControlPlane.agree)
     agree: tuple[str, bytes, bytes] | None = None
+    # the lists hold only the entries of members that changed (see ControlPlane._delta_messages)
+    delta: bool = False
 
 
 def parse_control(msg: Message) -> ControlFields:
@@ -147,9 +151,12 @@ def parse_control(msg: Message) -> ControlFields:
     fincs = _int_list(x, "fincs", len(fids)) if fids is not None else None
     fends = _int_list(x, "fends", len(fids)) if fids is not None else None
     digest = x.get("digest")
+    delta = x.get("delta", False)
+    if not isinstance(delta, bool) or (delta and base is not None):
+        raise ValueError("delta")
     return ControlFields(inc, status, dc, seeding, mids, mincs, mdcs, base, jids, jrounds, lids, lrounds, bincs,
                          jincs, lincs, digest if isinstance(digest, str) else None, x.get("reason"), fids, fincs, fends,
-                         seq, agree)
+                         seq, agree, delta)
 
 
 class ControlPlane:
@@ -221,6 +228,10 @@ class ControlPlane:
         self.last_change = 0.0
         self.woke = -math.inf  # when this process last ran again after a stall of its own
         self.last_ping = 0.0
+        # news not spread yet: the member-table version before it (None: none), and when
+        # this node last spread news (see _news)
+        self._unspread: int | None = None
+        self._spread_at = -math.inf
         self.now = 0.0
         self.clock = clock
         # who is alive: told of every message, asked every tick (see gossip.protocol.detector)
@@ -266,35 +277,68 @@ class ControlPlane:
                 x["agree"] = agree
         return Message(kind, self.id, rnd, step, 0, None, None, x, self.fingerprint)
 
+    def _delta_messages(self, since: int) -> list[Message]:
+        """The entries of the members whose entries changed after member-table version
+        ``since`` (their rows, joins, leaves and former lives), as ``members`` messages
+        marked ``delta`` of at most :data:`DELTA_IDS` members each: news of a change costs
+        what changed, not the whole table (which travels in a hello's answer and when
+        two members' digests differ, see :meth:`handle`). A receiver takes a delta's
+        schedule entries only from a member its own schedule counts: a delta does not
+        say which cluster its sender is in."""
+        with self.lock:
+            ids = sorted(self.m.changed_since(since))
+            out = []
+            for i in range(0, len(ids), DELTA_IDS):
+                out.append(self._entries(ids[i:i + DELTA_IDS]))
+        return [self._message("members", **x) for x in out]
+
+    def _entries(self, ids: list[str] | None) -> dict[str, Any]:
+        """The ``x`` fields of a member list: the whole table (``ids`` None) or the entries
+        of ``ids`` only, a delta (call with ``lock`` held)."""
+        m = self.m
+        if ids is None:
+            report = m.report()
+        else:
+            report = [[mid, m.members[mid].incarnation] for mid in ids if mid in m.members]
+        x: dict[str, Any] = {"mids": [r[0] for r in report], "mincs": [r[1] for r in report],
+                             "mdcs": [m.members[r[0]].dc for r in report]}
+        if ids is not None:
+            x["delta"] = True
+        if m.started:
+            if ids is None:
+                base = sorted(m.base)
+                joins = sorted(m.joins.items())
+                leaves = sorted(m.leaves.items())
+                formed = m.former.items()
+            else:
+                base = None
+                joins = [(j, m.joins[j]) for j in ids if j in m.joins]
+                leaves = [(j, m.leaves[j]) for j in ids if j in m.leaves]
+                formed = [(j, m.former[j]) for j in ids if j in m.former]
+            x.update(jids=[j for j, _ in joins], jrounds=[r for _, r in joins],
+                     lids=[j for j, _ in leaves], lrounds=[r for _, r in leaves])
+            # the life each entry is about, so that every node applies them alike in any
+            # order (0: not known, e.g. this node's own life is its incarnation)
+            life = m.lives.get
+            x.update(jincs=[self.incarnation if j == self.id else life(j, 0) for j, _ in joins],
+                     lincs=[life(j, 0) for j, _ in leaves])
+            if base is not None:  # (a delta carries no base: a receiver learns a start from whole lists)
+                x.update(base=base, bincs=[self.incarnation if b == self.id else life(b, 0) for b in base])
+            # the leaves of lives a newer one replaced (a member that hears the new
+            # life's join before the old one's leave keeps the old one's rounds right)
+            former = sorted((j, inc, rec[1]) for j, lives in formed for inc, rec in lives.items() if rec[1] is not None)
+            if former:
+                x.update(fids=[j for j, _, _ in former], fincs=[i for _, i, _ in former],
+                         fends=[r for _, _, r in former])
+        # the digest of the whole table: each change reaches every member with the
+        # sender's digest, so a fresh start need not wait for a probe to meet each
+        # member to learn that it agrees (see settled)
+        x["digest"] = m.digest()
+        return x
+
     def _members_message(self, kind: str = "members") -> Message:
         with self.lock:
-            report = self.m.report()
-            x: dict[str, Any] = {"mids": [r[0] for r in report], "mincs": [r[1] for r in report],
-                                 "mdcs": [self.m.members[r[0]].dc for r in report]}
-            if self.m.started:
-                base = sorted(self.m.base)
-                joins = sorted(self.m.joins.items())
-                leaves = sorted(self.m.leaves.items())
-                x.update(base=base, jids=[j for j, _ in joins], jrounds=[r for _, r in joins],
-                         lids=[j for j, _ in leaves], lrounds=[r for _, r in leaves])
-                # the life each entry is about, so that every node applies them alike in any
-                # order (0: not known, e.g. this node's own life is its incarnation)
-                life = self.m.lives.get
-                x.update(bincs=[self.incarnation if b == self.id else life(b, 0) for b in base],
-                         jincs=[self.incarnation if j == self.id else life(j, 0) for j, _ in joins],
-                         lincs=[life(j, 0) for j, _ in leaves])
-                # the leaves of lives a newer one replaced (a member that hears the new
-                # life's join before the old one's leave keeps the old one's rounds right)
-                former = sorted((j, inc, rec[1]) for j, lives in self.m.former.items()
-                                for inc, rec in lives.items() if rec[1] is not None)
-                if former:
-                    x.update(fids=[j for j, _, _ in former], fincs=[i for _, i, _ in former],
-                             fends=[r for _, _, r in former])
-            # the digest of what it carries: each change reaches every member with the
-            # sender's digest, so a fresh start need not wait for a probe to meet each
-            # member to learn that it agrees (see settled)
-            x["digest"] = self.m.digest()
-        return self._message(kind, **x)
+            return self._message(kind, **self._entries(None))
 
     def _agreement(self) -> str:
         """This node's member digest, with ``agree`` and ``ready`` emptied if they are
@@ -375,14 +419,17 @@ class ControlPlane:
             digest = self.m.digest()
         return Effects(broadcasts=[self._message("ping", digest=digest)])
 
-    def announce_members(self, *, everyone: bool = True) -> Effects:
-        """This node's member list (and schedule) to every member now, or (``everyone``
-        False) to :meth:`Timing.spread` random ones, who pass on what is news to them."""
+    def tell_status(self, peers: list[str]) -> Effects:
+        """A ping to each of ``peers`` now, with this node's status and round."""
+        with self.lock:
+            digest = self.m.digest()
+        return Effects(sends=[(p, self._message("ping", digest=digest)) for p in peers])
+
+    def announce_members(self) -> Effects:
+        """This node's whole member list (and schedule) to :meth:`Timing.spread` random
+        members now, who pass on what is news to them (as deltas, see :meth:`_news`)."""
         fx = Effects()
-        if everyone:
-            fx.broadcasts.append(self._members_message())
-        else:
-            self._spread(fx, self._members_message())
+        self._spread(fx, [self._members_message()])
         return fx
 
     # -- incoming --------------------------------------------------------------------------
@@ -466,14 +513,15 @@ class ControlPlane:
         self.seeds.pop(peer, None)  # it answered: stop retrying it as a seed
         with self.lock:
             self._note_round(now)
+            before = self.m.version
             new_member, reply, scheduled = self._update(msg, f, now, fx)
             fx.reconnect = self.m.take_renewed()
         if reply:
             fx.sends.append((peer, self._members_message()))
         if scheduled:  # (a join or a restart's leave it scheduled: every member must hear of it in time)
-            fx.broadcasts.append(self._members_message())
-        elif new_member:  # news to this node: passed on as an epidemic (the sender knows it)
-            self._spread(fx, self._members_message(), skip=peer)
+            fx.broadcasts += self._delta_messages(before)
+        elif new_member:  # news to this node: passed on as an epidemic
+            self._news(fx, before, now)
         elif msg.kind == "ping" and f.digest is not None and f.digest != self.m.digest():
             fx.sends.append((peer, self._members_message()))  # anti-entropy: it sees a different member set
         return fx
@@ -562,6 +610,8 @@ class ControlPlane:
             fx.verdict = (msg.round, peer, theirs - ours, True)  # type: ignore[operator]
         # while joining another cluster, only its members' lists count
         lists = not other and (not self.m.target or peer in self.m.target)
+        if f.delta and self.m.started and not self.m.counts(peer, inc):
+            lists = False  # (a delta does not say the sender's cluster: only a member's counts, see _delta_messages)
         latest = self.m.latest(peer, inc, f.seq)
         self.m.heard(peer, inc, now, status=status, round=msg.round, step=msg.progress, dc=f.dc,
                      fingerprint=msg.fingerprint, seq=f.seq)
@@ -583,6 +633,11 @@ class ControlPlane:
             for j, fi, r in zip(f.fids, f.fincs, f.fends):
                 if fi:
                     self.m.announce_leave(j, r, fi)  # (an old life's: see Membership.former)
+        if lists and self.m.started:  # the lives of scheduled members this node knows no life of
+            if f.base is not None and f.bincs is not None:
+                self.m.fill_lives(zip(f.base, f.bincs))
+            if f.jids is not None and f.jincs is not None:
+                self.m.fill_lives(zip(f.jids, f.jincs))
         if latest:  # (an older message's digest and seeds are older news)
             if f.digest is not None:
                 self.digests[peer] = f.digest
@@ -687,6 +742,7 @@ class ControlPlane:
                 state[1] = min(state[1] * 2, BACKOFF_MAX)  # exponential backoff, capped
         with self.lock:
             self._note_round(now)
+            before = self.m.version
             for mid in verdicts.dead:
                 if self.m.remove(mid, f"silent for more than {self.timing.dead_after:g} s"):
                     fx.dead.append(mid)
@@ -702,7 +758,8 @@ class ControlPlane:
             self.last_change = now
             # the leave rounds, so all adopt them together (the others' detectors find the
             # death too: passed on as an epidemic, see _spread)
-            self._spread(fx, self._members_message())
+            self._news(fx, before, now)
+        self._flush_news(fx, now)
         for _, msg in verdicts.sends:  # the detector's messages carry the digest after the removals
             msg.extra["digest"] = digest
         fx.sends += verdicts.sends
@@ -715,15 +772,34 @@ class ControlPlane:
             self._judge_exclusion(now, fx)
         return fx
 
-    def _spread(self, fx: Effects, msg: Message, skip: str | None = None) -> None:
-        """``msg``, news of a change to the member table, to :meth:`Timing.spread` random
-        other members (not ``skip``, which sent it): each that learns something from it
-        passes it on so, and the probes' digests catch a member it missed. A change told to
-        every member by each that learns it costs ``n ** 2`` messages of ``n`` entries."""
+    def _news(self, fx: Effects, since: int, now: float) -> None:
+        """The member table changed after version ``since``: spread the change now, or
+        with the next tick's news if this node spread news within the last tick (a
+        start, a merge: news arrives in bursts, each piece of it from several members;
+        one delta a tick carries the burst, where a delta per message would cost each
+        member ``spread(n)`` messages for every one it receives)."""
+        self._unspread = since if self._unspread is None else min(self._unspread, since)
+        if now - self._spread_at >= self.timing.tick:
+            self._flush_news(fx, now)
+
+    def _flush_news(self, fx: Effects, now: float) -> None:
+        """Spread the news not spread yet (see :meth:`_news`)."""
+        if self._unspread is None:
+            return
+        since, self._unspread, self._spread_at = self._unspread, None, now
+        self._spread(fx, self._delta_messages(since))
+
+    def _spread(self, fx: Effects, msgs: list[Message]) -> None:
+        """``msgs``, news of a change to the member table, to :meth:`Timing.spread` random
+        other members: each that learns something from it passes on what was news to it
+        so, and the probes' digests catch a member it missed. A change costs each member
+        ``spread(n)`` messages of the changed entries."""
+        if not msgs:
+            return
         with self.lock:
-            others = [p for p in self.m.others() if p != skip]
+            others = self.m.others()
             k = self.timing.spread(len(self.m.members))
-        fx.sends += [(p, msg) for p in (others if k >= len(others) else self._rng.sample(others, k))]
+        fx.sends += [(p, msg) for p in (others if k >= len(others) else self._rng.sample(others, k)) for msg in msgs]
 
     def _to_all(self, fx: Effects, msg: Message) -> None:
         """``msg`` to every other member as the table stands now."""
@@ -800,18 +876,20 @@ class ControlPlane:
     def _drop(self, mid: str, reason: str, fx: Effects) -> None:
         with self.lock:
             self._note_round(self.now)
+            before = self.m.version
             if not self.m.remove(mid, reason):
                 return
             self.last_change = self.now
-        members = self._members_message()
-        self._to_all(fx, members)
-        fx.sends.append((mid, members))
+        for msg in self._delta_messages(before):
+            self._to_all(fx, msg)
+        fx.sends.append((mid, self._members_message()))  # (whole: it learns which cluster dropped it)
 
     def new_life(self, incarnation: int) -> None:
         """This node starts a new life (call with ``lock`` held, with the membership's
         new_life): what the lists said of its previous life is no evidence about it."""
         self.incarnation = incarnation
         self.excluded_by = {}
+        self._unspread = None  # (the old life's news: its table is gone)
         self.detector.new_life(incarnation)  # each life's detector starts afresh
 
     def hello_all(self, peers: list[str]) -> Effects:

@@ -366,9 +366,15 @@ class ShardFollower:
             node = self.node
             if node is None or self.status != "training" or (msg.sender not in node.index_of
                                                               and msg.round >= node.round):
-                # a joiner's first round, or a round before this life's start: held, a few
-                if len(self.held) < HELD:
-                    self.held.append(msg)
+                # a joiner's first round, or a round before this life's start: held, a few.
+                # The latest rounds are kept: a joining life hears its neighbours' rounds from
+                # its start to its first, and only its first round's messages are of use
+                if len(self.held) >= HELD:
+                    oldest = min(range(len(self.held)), key=lambda i: self.held[i].round)
+                    if self.held[oldest].round >= msg.round:
+                        return
+                    del self.held[oldest]
+                self.held.append(msg)
                 return
             if not node.deliver(msg):
                 self._count("state")

@@ -261,6 +261,8 @@ class Lifecycle:
         warned = False
         refused_at: float | None = None  # when every seed had refused this node
         last_note = asked = last_former = start
+        seen: tuple[int, int] | None = None  # the (version, statuses) ``running`` is of
+        running: list[str] = []
         self.control.apply(self.control.hello_all(former))
         while not self.stop.is_set():
             now = yield Poll(POLL)
@@ -270,8 +272,13 @@ class Lifecycle:
                     unheard = [m for m in former if m not in self.membership.members]
                 self.control.apply(self.control.hello_all(unheard))
             with self.lock:
-                others = self.membership.others()
-                running = [m for m in others if self.membership.members[m].status in ("training", "done")]
+                # (looked for again only when the table or a status changed: a simulator
+                # wakes this loop on every message, and a cluster of thousands sends many)
+                others = len(self.membership.members) - 1
+                key = (self.membership.version, self.membership.statuses)
+                if key != seen:
+                    seen, running = key, [m for m in self.membership.others()
+                                          if self.membership.members[m].status in ("training", "done")]
                 base_known = self.membership.started
                 in_base = self.id in self.membership.base
                 # a schedule none of whose other members counts in the life it has now:
@@ -306,7 +313,7 @@ class Lifecycle:
                     return "fresh"
                 if now - last_note >= 2.0:
                     last_note = now
-                    log.info("%s: waiting to start with %d member(s): %s", self.id, len(others) + 1, why)
+                    log.info("%s: waiting to start with %d member(s): %s", self.id, others + 1, why)
             if not others and seeds and not self.control.conflicts and now - last_note >= 2.0:
                 last_note = now  # a lone node says what it waits for, not only when join_timeout ends
                 log.info("%s: no peer has answered yet (%s); training alone in %.0f s (join_timeout) if "
@@ -380,7 +387,7 @@ class Lifecycle:
             # tell the others whom we started with (as an epidemic: every starter does
             # so): a member that has not noticed the settle yet then starts as one of us
             # instead of asking to join
-            self.control.apply(self.control.announce_members(everyone=False))
+            self.control.apply(self.control.announce_members())
         early, self.early = self.early, []
         for msg, inc in early:
             # a member that started a new life since (after a partition, say) numbers its
@@ -464,6 +471,13 @@ class Lifecycle:
         assert node is not None
         with self.lock:
             members = self.membership.at_round(node.round)
+            # joiners whose first round is the next: they pull a member's state once one is
+            # this far (see Joining.pull_state), and the round waits for them. Told at once,
+            # not at the next probe that happens to meet them
+            due = [j for j, r in self.membership.joins.items()
+                   if r == node.round + 1 and j != self.id and j in self.membership.members]
+        if due:
+            self.control.apply(self.control.tell_status(due))
         if self.id not in members:
             members = sorted([*members, self.id], key=self.membership.order_key)
         if members != node.members:

@@ -175,6 +175,13 @@ class Membership:
     # the failure detector's suspicion of a member (set by the control plane): a suspect
     # is not taken to have run on past when it was last heard (see round_now)
     suspected: Callable[[str], bool] = field(default=lambda mid: False, repr=False, compare=False)
+    # the members each change was about, by the version it made (oldest first): what a
+    # node tells others of a change is the entries of the members it touched since a
+    # version (see changed_since), not the whole table
+    touched: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    # a count of the members' status changes heard (see ``Lifecycle.discover``, which looks
+    # for a training member again only when the table or a status changed)
+    statuses: int = field(default=0, repr=False, compare=False)
     # (version, sorted ids, digest): every change to the table or the schedule bumps
     # version, and every ping carries the digest (see digest)
     _views: tuple[int, tuple[str, ...], str | None] = field(default=(-1, (), None), repr=False, compare=False)
@@ -186,6 +193,30 @@ class Membership:
     def __post_init__(self) -> None:
         self.members[self.self_id] = Member(self.self_id, self.incarnation, 0.0, "waiting", dc=self.dc,
                                             fingerprint=self.fingerprint)
+
+    def _changed(self, *mids: str) -> None:
+        """Bump :attr:`version` for a change to the entries of ``mids`` (the member
+        row, the schedule's entries and lives), remembering which."""
+        self.version += 1
+        for mid in mids:
+            self.touched.pop(mid, None)
+            self.touched[mid] = self.version
+
+    def changed_since(self, version: int) -> list[str]:
+        """The members whose entries changed after ``version``, the latest first.
+
+        >>> m = Membership("a:1", 1, "f")
+        >>> v = m.version
+        >>> _ = m.merge([("b:1", 1), ("c:1", 1)], 0.0), m.heard("b:1", 2, 0.0)
+        >>> m.changed_since(v), m.changed_since(m.version)
+        (['b:1', 'c:1'], [])
+        """
+        out = []
+        for mid, v in reversed(self.touched.items()):
+            if v <= version:
+                break
+            out.append(mid)
+        return out
 
     # -- views ------------------------------------------------------------------------------
     def ids(self) -> list[str]:
@@ -219,8 +250,14 @@ class Membership:
         """A short hash of the schedule ("" before the cluster starts)."""
         if not self.started:
             return ""
+        lives = self.lives
+        if self.counts(self.self_id) and lives.get(self.self_id) != self.incarnation:
+            # this node's own life: the others record the life they scheduled (a joiner's
+            # own join records none, see announce_join), and a digest that differs for it
+            # alone would make every probe between it and a member carry whole lists
+            lives = {**lives, self.self_id: self.incarnation}
         text = repr((sorted(self.base), sorted(self.joins.items()), sorted(self.leaves.items()),
-                     sorted(self.lives.items())))
+                     sorted(lives.items())))
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
     def order_key(self, mid: str) -> tuple[str, str]:
@@ -370,6 +407,8 @@ class Membership:
         if seq is not None and not older:
             m.seq = seq
         if status is not None and not older:
+            if status != m.status:
+                self.statuses += 1
             m.status = status
             m.status_at = now
         if round is not None and not older:
@@ -381,7 +420,7 @@ class Membership:
         if fingerprint is not None:
             m.fingerprint = fingerprint
         if changed:
-            self.version += 1
+            self._changed(sender)
         return changed
 
     def merge(self, reported: Iterable[tuple[str, int]], now: float) -> bool:
@@ -390,7 +429,7 @@ class Membership:
         A reported member counts as heard ``now`` (its reporter heard it
         recently); if it is really gone, our own detector removes it again.
         """
-        changed = False
+        changed = []
         for mid, inc in reported:
             if mid == self.self_id:
                 continue
@@ -403,10 +442,10 @@ class Membership:
             self.renewed.add(mid)
             self.dead.pop(mid, None)
             log.info("member %s learned from a member list", mid)
-            changed = True
+            changed.append(mid)
         if changed:
-            self.version += 1
-        return changed
+            self._changed(*changed)
+        return bool(changed)
 
     def remove(self, mid: str, reason: str, *, departed: bool = False, now: float | None = None) -> bool:
         """Drop ``mid``; returns True if it was a member.
@@ -435,7 +474,7 @@ class Membership:
         # would never meet again. It learns the running members' leaves from them.
         if self.training:  # (after a join still pending: see announce_leave)
             self._leave_of_dead(mid, m.incarnation)
-        self.version += 1
+        self._changed(mid)
         # a goodbye is the normal end of a life; silence is what a user may need to look at
         (log.info if departed else log.warning)("member %s removed: %s", mid, reason)
         return True
@@ -499,7 +538,8 @@ class Membership:
         self.spent = False
         self.suspects = {}
         self.target = set(target) - {self.self_id}
-        self.version += 1
+        self.touched = {}  # (the changes it spreads are those of this life's table)
+        self._changed(self.self_id)
 
     def finished(self, ids: Iterable[str]) -> bool:
         """Whether every member in ``ids`` has finished training, judged only from
@@ -562,7 +602,25 @@ class Membership:
         for mid, inc in zip(ids, incs):
             if inc is not None:
                 self.lives[mid] = inc
-        self.version += 1
+        self._changed(*ids)
+
+    def fill_lives(self, entries: Iterable[tuple[str, int]]) -> bool:
+        """Record the lives a member list names for scheduled members whose life this
+        node does not know (it started, or heard the join, before it knew their life; 0:
+        the list does not know either). Known lives are kept: a different one is a
+        restart, which comes with a join of its own. Returns True if any was recorded.
+
+        >>> m = Membership("a:1", 1, "f")
+        >>> m.start(["a:1", "b:1"], [1, None])
+        >>> m.fill_lives([("b:1", 7), ("c:1", 3)]), m.lives["b:1"], "c:1" in m.lives
+        (True, 7, False)
+        """
+        filled = {mid: inc for mid, inc in entries if inc and mid != self.self_id and mid not in self.lives
+                  and (mid in self.base or mid in self.joins)}
+        self.lives.update(filled)
+        if filled:
+            self._changed(*filled)
+        return bool(filled)
 
     def counts(self, mid: str, incarnation: int | None = None) -> bool:
         """Whether ``mid`` (in life ``incarnation``, when given) is a starter or an
@@ -619,7 +677,7 @@ class Membership:
         if early is not None and early[0] == inc:
             del self.early_leaves[mid]
             self.announce_leave(mid, early[1], inc)
-        self.version += 1
+        self._changed(mid)
         return True
 
     def announce_leave(self, mid: str, round: int, incarnation: int | None = None, *, early: bool = True) -> bool:
@@ -654,7 +712,7 @@ class Membership:
         if old is not None and old <= round:
             return False
         self.leaves[mid] = round
-        self.version += 1
+        self._changed(mid)
         return True
 
     def _former_life(self, mid: str, incarnation: int | None, *, first: int | None = None,
@@ -673,7 +731,7 @@ class Membership:
             if value is not None and (rec[i] is None or value < rec[i]):
                 rec[i], changed = value, True
         if changed:
-            self.version += 1
+            self._changed(mid)
         return changed
 
     def life_in(self, mid: str, rnd: int) -> tuple[bool, int | None]:

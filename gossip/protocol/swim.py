@@ -355,14 +355,20 @@ class Swim:
         return min(t)
 
     # -- the owner's word ------------------------------------------------------------------
-    def join(self, member: str, incarnation: int, now: float) -> None:
+    def join(self, member: str, incarnation: int, now: float, *, spread: bool = True) -> None:
         """Admit ``member`` at ``incarnation`` (the owner heard from it, e.g. a hello) and
         spread the join. A member known at a lower incarnation, or suspect, dead or left
-        at a lower one, is alive again at this one; otherwise nothing changes."""
+        at a lower one, is alive again at this one; otherwise nothing changes.
+
+        ``spread`` False: a member first heard of is admitted without news (an owner
+        whose own protocol tells every member of it, as a control plane's member lists
+        do: a start of ``n`` would otherwise queue ``n`` joins on every node, each sent
+        :meth:`SwimOptions.retransmit_limit` times). A new life is news either way: the
+        members that suspect the old one learn that it is alive."""
         if not (_is_id(member) and _is_int(incarnation)):
             raise ValueError(f"join needs a node id and an incarnation in 0..2**63-1, got {(member, incarnation)!r}")
         if member != self.id:
-            self._apply(member, ALIVE, incarnation, now)
+            self._apply(member, ALIVE, incarnation, now, news=spread)
 
     def remove(self, member: str) -> None:
         """The owner dropped ``member`` for reasons of its own (it said goodbye, or it
@@ -525,9 +531,10 @@ class Swim:
         self._enqueue(self.id, ALIVE, self.incarnation)
         return True
 
-    def _apply(self, mid: str, state: str, inc: int, now: float) -> bool:
+    def _apply(self, mid: str, state: str, inc: int, now: float, *, news: bool = True) -> bool:
         """Take the update ``mid`` is ``state`` at ``inc`` if it wins over the record;
-        True when it changed the record."""
+        True when it changed the record (``news`` False: a member first heard of is not
+        queued as news, see :meth:`join`)."""
         rec = self._table.get(mid)
         if rec is None:
             if state != ALIVE:
@@ -538,7 +545,8 @@ class Swim:
             rec = self._table[mid] = [ALIVE, inc]
             self._add_live(mid)
             self._events.append(MemberEvent(mid, ALIVE, inc, None, now))
-            self._enqueue(mid, ALIVE, inc)
+            if news:
+                self._enqueue(mid, ALIVE, inc)
             return True
         old, j = rec
         if not _wins(state, inc, old, j):

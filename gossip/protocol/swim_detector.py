@@ -197,7 +197,8 @@ class SwimDetector:
                 continue
             rec = self.swim.state(mid)
             if rec is None or rec[1] < member.incarnation:
-                self.swim.join(mid, member.incarnation, now)
+                # (the control plane's lists tell every member of a newcomer: see Swim.join)
+                self.swim.join(mid, member.incarnation, now, spread=False)
         for mid in self.m.departed:
             if mid not in self.m.members:
                 rec = self.swim.state(mid)

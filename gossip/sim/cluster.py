@@ -45,6 +45,7 @@ from gossip.core.actions import Compute, Poll, Release, Send
 from gossip.core.message import Message
 from gossip.core.state import FlatState
 from gossip.protocol.config import PeerConfig
+from gossip.protocol.control import NODE_KINDS
 from gossip.protocol.group import ShardFollower, ShardModule, group_of, rank_address
 from gossip.protocol.ranks import GroupFollow, GroupLead
 from gossip.protocol.errors import PeerError
@@ -493,7 +494,9 @@ class SimCluster:
             self.traffic_max[msg.kind] = size
         arrival = self.network.transmit(p.id, dst, size, self.now, droppable=droppable)
         target = self.by_id.get(dst) if isinstance(dst, str) else None
-        if self.control_loss and not droppable and self.control_rng.random() < self.control_loss:
+        # (a state request or reply goes the control plane's way, yet is the model's traffic)
+        if self.control_loss and not droppable and msg.kind not in NODE_KINDS \
+                and self.control_rng.random() < self.control_loss:
             arrival = None
         if arrival is None or target is None:
             self.frames_lost += 1

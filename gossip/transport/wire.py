@@ -48,7 +48,7 @@ KINDS = frozenset({"state", "hello", "members", "ping", "pong", "bye", "state-re
                    "average", "swim"})
 SWIM_OPS = frozenset({"ping", "ping-req", "ack", "gossip"})  # gossip.protocol.swim.OPS: a swim message's x["op"]
 DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
-MAX_HEADER = 64 * 1024
+MAX_HEADER = 1024 * 1024  # a whole member table of about 24,000 members (a start's, an anti-entropy exchange's)
 MAX_FRAMES = 2 + 65536  # with 1 MiB chunks: 64 GiB; ZeroMQ's MAXMSGSIZE bounds the real total
 CHUNK = 2**20
 MAX_INT = 2**63 - 1

@@ -288,10 +288,14 @@ def test_state_from_a_member_not_decided_yet_or_for_a_start_not_made_yet_is_held
     joining.apply(Decision(1, "start", members=(A, B, C), donor=A, donor_round=0))
     joining.handle(_copy(Message("state", "127.0.0.1:7001", 0, 0, 1, *_payload(fa), fingerprint=FP)))
     assert len(joining.held) == 1
-    # held, but only a few
+    # held, but only a few: the latest rounds (a joining life hears every round from its
+    # start to its first, and only its first round's messages are of use)
     for i in range(HELD + 5):
         joining.handle(_copy(Message("state", "127.0.0.1:7101", i, i, i + 1, *_payload(fb), fingerprint=FP)))
     assert len(joining.held) == HELD
+    assert sorted(m.round for m in joining.held) == list(range(5, HELD + 5))
+    joining.handle(_copy(Message("state", "127.0.0.1:7101", 2, 2, 3, *_payload(fb), fingerprint=FP)))  # older
+    assert sorted(m.round for m in joining.held) == list(range(5, HELD + 5))
 
 
 def test_what_a_follower_cannot_use_is_counted_by_reason() -> None:
