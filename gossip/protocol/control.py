@@ -514,14 +514,19 @@ class ControlPlane:
         with self.lock:
             self._note_round(now)
             before = self.m.version
+            was = self.m.members.get(peer)
+            was = None if was is None else was.incarnation
             new_member, reply, scheduled = self._update(msg, f, now, fx)
             fx.reconnect = self.m.take_renewed()
+            # the sender itself is the news (a node, or a life, this node had not heard of): it
+            # may be the only member that knows of it yet, and may crash within the tick
+            firsthand = peer in self.m.members and (was is None or was < self.m.members[peer].incarnation)
         if reply:
             fx.sends.append((peer, self._members_message()))
         if scheduled:  # (a join or a restart's leave it scheduled: every member must hear of it in time)
             fx.broadcasts += self._delta_messages(before)
         elif new_member:  # news to this node: passed on as an epidemic
-            self._news(fx, before, now)
+            self._news(fx, before, now, at_once=firsthand)
         elif msg.kind == "ping" and f.digest is not None and f.digest != self.m.digest():
             fx.sends.append((peer, self._members_message()))  # anti-entropy: it sees a different member set
         return fx
@@ -772,14 +777,18 @@ class ControlPlane:
             self._judge_exclusion(now, fx)
         return fx
 
-    def _news(self, fx: Effects, since: int, now: float) -> None:
+    def _news(self, fx: Effects, since: int, now: float, *, at_once: bool = False) -> None:
         """The member table changed after version ``since``: spread the change now, or
         with the next tick's news if this node spread news within the last tick (a
         start, a merge: news arrives in bursts, each piece of it from several members;
         one delta a tick carries the burst, where a delta per message would cost each
-        member ``spread(n)`` messages for every one it receives)."""
+        member ``spread(n)`` messages for every one it receives). News heard firsthand
+        (``at_once``: the sender is a node or life this node had not heard of) goes at
+        once: this node may be the only one that knows it, and may crash within the
+        tick (explorer seed 2000006351: two starters crashed holding the news that
+        joined the two others, who trained apart for good)."""
         self._unspread = since if self._unspread is None else min(self._unspread, since)
-        if now - self._spread_at >= self.timing.tick:
+        if at_once or now - self._spread_at >= self.timing.tick:
             self._flush_news(fx, now)
 
     def _flush_news(self, fx: Effects, now: float) -> None:

@@ -66,6 +66,8 @@ class FailureDetector(Protocol):
 
     def suspected(self, member: str) -> bool: ...
 
+    def urge(self, member: str, now: float) -> None: ...
+
 
 def mark_heard(membership: Membership, member: str, now: float) -> None:
     """A message from ``member`` arrived at ``now``: the member table's ``last_seen``."""
@@ -120,6 +122,9 @@ class HeartbeatDetector:
 
     def suspected(self, member: str) -> bool:
         return False  # silence is all it knows, and a silent member is waited for until removed
+
+    def urge(self, member: str, now: float) -> None:
+        """Nothing to do: every member is pinged each heartbeat anyway."""
 
     def tick(self, now: float) -> Verdicts:
         out = Verdicts()

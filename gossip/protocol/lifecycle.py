@@ -583,6 +583,12 @@ class Lifecycle:
                            for e in awaited):
                         self.skipped_rounds += 1  # (one still in the table: suspected, or a new life)
                     return now
+                # a neighbour silent for SILENT_GAPS of its usual gaps: its detector probes it
+                # next, rather than when its probe order happens to meet it (SWIM)
+                for e in awaited:
+                    m = self.membership.members.get(e)
+                    if m is not None and self.control.now - m.last_seen > SILENT_GAPS * m.state_gap:
+                        self.control.detector.urge(e, self.control.now)
             now = yield Poll(min(remaining, POLL))
         self.late = 0
         return now

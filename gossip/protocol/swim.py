@@ -310,6 +310,7 @@ class Swim:
         self._pos = 0
         self._probe: _Probe | None = None
         self._relays: dict[int, tuple[str, int, str, float]] = {}  # our seq -> (origin, its seq, target, expiry)
+        self._urged: dict[str, float] = {}  # member -> when the owner last had it probed out of turn
         self._events: list[MemberEvent] = []
         self._seq = 0
         self._news = 0
@@ -369,6 +370,25 @@ class Swim:
             raise ValueError(f"join needs a node id and an incarnation in 0..2**63-1, got {(member, incarnation)!r}")
         if member != self.id:
             self._apply(member, ALIVE, incarnation, now, news=spread)
+
+    def probe_soon(self, member: str, now: float) -> bool:
+        """Probe ``member`` next, out of its turn in the probe order, and at once if no
+        probe is pending (the owner has evidence of its own: a neighbour's messages stopped
+        coming). Each member is probed so at most once a period. The probe order meets a
+        member at a random time after a crash: a gap between two probes of one member
+        is about exponential, mean ``period`` times ``n / (n - 1)``, and at 128 members one
+        crash waited 2.7 s for its first probe. Returns whether a probe was brought forward."""
+        if member not in self._live_at or self.left or (self._probe is not None and self._probe.target == member):
+            return False
+        if now - self._urged.get(member, -math.inf) < self.opt.period:
+            return False
+        if len(self._urged) >= 4096:
+            self._urged.clear()
+        self._urged[member] = now
+        self._order.insert(self._pos, member)
+        if self._probe is None and self._last_tick is not None:
+            self._next_probe = min(self._next_probe, now)
+        return True
 
     def remove(self, member: str) -> None:
         """The owner dropped ``member`` for reasons of its own (it said goodbye, or it

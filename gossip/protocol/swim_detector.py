@@ -119,6 +119,13 @@ class SwimDetector:
         # SWIM needs its own messages; the member table's last_seen is read elsewhere too
         mark_heard(self.m, member, now)
 
+    def urge(self, member: str, now: float) -> None:
+        """The training side misses ``member``'s messages: probe it next, out of turn
+        (see :meth:`Swim.probe_soon`), so that a crash of a neighbour is suspected
+        within a period of its silence, not when some member's probe order meets it."""
+        if member in self.m.members:
+            self.swim.probe_soon(member, now)
+
     def suspected(self, member: str) -> bool:
         """Whether SWIM holds the table's life of ``member`` suspect (or dead, while that
         verdict is doubted): it did not answer a probe, direct or indirect, since."""

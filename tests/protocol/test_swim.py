@@ -561,3 +561,26 @@ def test_malformed_swim_frames_reaching_a_control_plane_are_counted_and_change_n
     assert set(cp.rejected) <= {"control", "swim", "header", "frames"}, cp.rejected
     assert (dict((k, (v.incarnation, v.status)) for k, v in m.members.items()), cp.detector.state(peer)) == state
     assert sent == [] and cp.detector.swim.rejected == Counter()  # nothing reached SWIM itself
+
+
+def test_a_member_the_owner_misses_is_probed_next_out_of_turn():
+    """A neighbour's messages stopped: the owner has it probed at once, not when the probe
+    order (a random pass over all members) meets it, which can be seconds at hundreds."""
+    members = [(f"m{i}", 1) for i in range(50)]
+    node = Swim("a", 1, random.Random(0), members=members)
+    node.tick(0.0)
+    t = node._next_probe + 1e-6
+    node.tick(t)  # the probe of this period goes to the order's next member
+    first = node._probe.target
+    target = next(m for m, _ in members if m != first and m not in node._order[:node._pos + 1])
+    assert node.probe_soon(target, t) is True
+    assert node.probe_soon(target, t + 0.01) is False  # once a period at most
+    assert node.probe_soon("nobody", t) is False
+    # the pending probe runs out at the period's end; the next goes to the member urged
+    sent = node.tick(node._next_probe + 1e-6)
+    assert node._probe.target == target and target in [m.to for m in sent if m.op == "ping"]
+    # with no probe pending, an urged member is probed at the next tick
+    node2 = Swim("a", 1, random.Random(1), members=members)
+    node2.tick(0.0)
+    assert node2._probe is None and node2.probe_soon("m7", 0.05)
+    assert [m.to for m in node2.tick(0.05) if m.op == "ping"] == ["m7"]

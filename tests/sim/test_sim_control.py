@@ -362,6 +362,19 @@ def test_a_restart_just_before_the_end_joins_or_says_why(detector, tmp_path):
     assert explore.check(explore.run_schedule(s, str(tmp_path), detector), s.settles) == []
 
 
+def test_news_a_starter_heard_firsthand_outlives_its_crash(tmp_path):
+    """Seed 2000006351 (found with changes spread once a tick in a burst): 4 groups of 3
+    ranks seeded in a chain; starters 2 and 0 crashed 0.02 s and 0.07 s in, holding for
+    their next tick the news of the nodes whose hellos had reached them, which was all
+    that could tell 1 and 3 of each other: they trained apart for good. News of the
+    sender itself now goes at once."""
+    from gossip.sim import explore
+
+    s = explore.draw(2000006351)
+    assert [f[1:3] for f in s.faults][:2] == [("crash", 2), ("crash", 0)]
+    assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
+
+
 def test_dense_fault_schedules_hold_every_invariant():
     """A bounded form of ``python -m gossip.sim.explore --churn``."""
     from gossip.sim import explore
