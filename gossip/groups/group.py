@@ -27,7 +27,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -164,6 +164,16 @@ class Group:
     def barrier(self) -> None:
         if self.pg is not None:
             dist.barrier()
+
+    def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (as many on each), rank by rank: a collective, so also a
+        barrier; every rank calls it."""
+        if self.pg is None:
+            return [list(values)]
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine)
+        return [t.tolist() for t in every]
 
     def link(self) -> StoreLink | None:
         """The ranks' channel (rank 0's decisions), over the process group's store; None

@@ -20,7 +20,7 @@ import torch
 
 from gossip.groups.checkpoint import latest_group_checkpoint, load_group_checkpoint, restore_node, save_group_checkpoint
 from gossip.groups.group import Group, start_group
-from gossip.peer.group import GroupFollower, GroupLeader
+from gossip.peer.group import GroupFollower, GroupLeader, rank_counts
 from gossip.protocol.config import PeerConfig
 from gossip.training.node import init_model
 from gossip.training.tasks import get_task
@@ -139,11 +139,11 @@ def _run(cfg: PeerConfig, group: Group, on_leader: Any) -> dict[str, Any]:
             save_group_checkpoint(cfg.checkpoint_dir, member.node.step, group, model, optimizer, member.node, view,
                                   stream, members=list(member.node.members))
         evaluation = task.evaluate(model, group.device)  # the whole model, every rank taking part
-        group.barrier()  # every rank's last round is mixed before the group says goodbye
-        member.finish()
+        counts = group.gather_ints(member.round_counts)  # (a barrier: every rank's last round is mixed
+        member.finish()                                  # before the group says goodbye)
         summary = member.summary(evaluation)
     summary.update(loss=loss, intra=group.intra, group_size=k, rank=r, device=str(group.device),
-                   max_step_gap_s=max(gaps, default=0.0))
+                   max_step_gap_s=max(gaps, default=0.0), **rank_counts(counts))
     return summary
 
 
@@ -251,6 +251,7 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
             if errors:
                 raise errors[0]
             summary = leader.summary(evaluation)
+            summary.update(rank_counts([m.round_counts for m in ranks]))
     except threading.BrokenBarrierError:
         raise errors[0] if errors else RuntimeError("a slice thread stopped") from None
     except BaseException:

@@ -44,7 +44,7 @@ from gossip.groups.collectives import GroupCollectives, TorchIntra, follower_wai
 from gossip.groups.group import current_group, shard_view, wrapped
 from gossip.mixing.settings import MixingSettings
 from gossip.peer.collectives import Collectives
-from gossip.peer.group import GroupFollower, GroupLeader
+from gossip.peer.group import GroupFollower, GroupLeader, rank_counts
 from gossip.peer.user_loop import (ClusterFinished, GossipNode, check_options, default_logging, init, set_threads,
                                    unwrap_optimizer, user_config)
 from gossip.protocol import joining
@@ -406,9 +406,10 @@ class GroupNode(GossipNode):
             self._mixed()
             if self.cfg.checkpoint_dir:
                 self._save_checkpoint()
-            self.group.barrier()  # every rank's last round is mixed before the group says goodbye
-            member.finish()
+            counts = self.group.gather_ints(member.round_counts)  # (a barrier: every rank's last round
+            member.finish()                                       # is mixed before the group says goodbye)
             summary = member.summary()
+            summary.update(rank_counts(counts))
             train = time.monotonic() - self._t_start
             summary.update(group_size=self.group.size, rank=self.group.rank, intra=self.intra,
                            member_ids=self.members, rounds=self.member.node.round, shard=list(self._shard),

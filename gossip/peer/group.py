@@ -25,7 +25,7 @@ import logging
 import math
 import queue
 import time
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -42,7 +42,7 @@ from gossip.transport.links import SimNetwork, emulated_links
 from gossip.transport.security import load_curve
 from gossip.transport.zmq import ZmqTransport
 
-__all__ = ["GroupLeader", "GroupFollower", "Start"]
+__all__ = ["GroupLeader", "GroupFollower", "Start", "rank_counts"]
 
 log = logging.getLogger("gossip.group")
 
@@ -127,6 +127,11 @@ class GroupLeader:
     def complete_pending(self) -> None:
         self.peer._run(self.lead.complete_pending())
 
+    @property
+    def round_counts(self) -> tuple[int, int]:
+        """(rounds this rank timed out, rounds it mixed without a suspected neighbour)."""
+        return self.peer.life.timed_out_rounds, self.peer.life.skipped_rounds
+
     def record(self, evaluation: dict[str, Any]) -> None:
         """A metrics record of the group's evaluation (every rank evaluated the whole model)."""
         if self.peer.report.metrics is not None:
@@ -187,6 +192,11 @@ class GroupFollower:
     @property
     def stopped(self) -> bool:
         return self.follow.stopped
+
+    @property
+    def round_counts(self) -> tuple[int, int]:
+        """(rounds this rank timed out, round waits it ended because rank 0 holds the awaited dead)."""
+        return self.follower.timed_out_rounds, self.follower.skipped_waits
 
     def record(self, evaluation: dict[str, Any]) -> None:
         pass  # rank 0 writes the group's records
@@ -289,8 +299,16 @@ class GroupFollower:
         node = f.node
         return {"node": self.id, "group": self.cfg.node_id, "rank": self.rank,
                 "steps": node.step if node else 0, "round": node.round if node else 0,
-                "members": list(f.members), "timed_out_rounds": f.timed_out_rounds,
+                "members": list(f.members), "joined": self.joined, "timed_out_rounds": f.timed_out_rounds,
                 "skipped_waits": f.skipped_waits, "handed": list(f.handed), "took": f.took,
                 "rejected": {**f.rejected, **self.rejected, **(dict(node.rejected) if node else {})},
                 "bytes_sent": sum(self.transport.bytes_sent.values()),
                 "bytes_received": sum(self.transport.bytes_received.values())}
+
+
+def rank_counts(counts: Iterable[Sequence[int]]) -> dict[str, list[int]]:
+    """A group summary's round counters, one per rank (rank 0's are its ``timed_out_rounds``
+    and ``skipped_rounds``): a rank other than 0 that timed out a round, or ended a round's
+    wait because rank 0 holds the awaited neighbour dead, mixed its shard otherwise than
+    the others."""
+    return {"rank_timed_out_rounds": [int(c[0]) for c in counts], "rank_skipped_rounds": [int(c[1]) for c in counts]}

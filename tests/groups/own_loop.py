@@ -63,7 +63,7 @@ def main() -> int:
     optimizer = task.optimizer(model.parameters())
 
     node = gossip.GossipNode(model, optimizer, topology="ring", period=args.period, seed=args.seed,
-                             heartbeat=0.25, dead_after=2, settle=1, grace=5, timeout=10,
+                             heartbeat=0.25, dead_after=10, settle=1, grace=5, timeout=60, wait_for_suspects=True,
                              checkpoint_dir=args.checkpoint_dir, log=args.metrics, eval_every=10)
     stream = task.stream(node.rank, node.world_size, "iid", args.seed)
     for _ in range(node.steps):  # the data position is the loop's own: a resumed group goes on from its step
