@@ -158,7 +158,7 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
     from gossip.core.state import FlatState
     from gossip.groups.link import LocalLink
     from gossip.training.node import resolve_device
-    from gossip.training.shards import ReplicaSlice, SlicePlace
+    from gossip.training.shards import ReplicaSlice, SlicePlace, take_slices
 
     if cfg.checkpoint_dir or cfg.resume:
         raise ValueError("--as-group does not write or read checkpoints yet: leave out --checkpoint-dir "
@@ -231,11 +231,7 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
                 step_ready.wait()
                 leader.step(step)
                 step_mixed.wait()
-                for r, member in enumerate(ranks):  # a send held in place moved a slice: put it back
-                    node = member.node
-                    if node.state.flat.data_ptr() != views[r].flat.data_ptr():
-                        views[r].flat.copy_(node.state.flat)
-                        node.state.rehome(into=views[r].flat)
+                take_slices(views, [m.node.state for m in ranks])  # (a send held in place moved a slice)
                 if leader.stopped:
                     break
                 step = leader.node.step

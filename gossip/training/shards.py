@@ -18,7 +18,7 @@ from torch import nn
 
 from gossip.core.state import FlatState, model_fingerprint
 
-__all__ = ["ShardView", "FsdpShards", "ReplicaSlice", "RankPlace", "SlicePlace"]
+__all__ = ["ShardView", "FsdpShards", "ReplicaSlice", "RankPlace", "SlicePlace", "take_slices"]
 
 
 class RankPlace(Protocol):
@@ -189,3 +189,22 @@ class ReplicaSlice(ShardView):
         model = self.state.model
         return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
 
+
+def take_slices(views: list[ReplicaSlice], states: list[FlatState]) -> bool:
+    """After an exchange of one model's slices, each mixed by a node of its own
+    (``gossip-node --as-group K``; ``states[r]`` is slice r's node's state), put every
+    slice back where the model reads it; returns whether the model moved.
+
+    A node whose send was still in flight when it mixed moved its slice to fresh memory,
+    and the transport still reads the old: the whole model then moves to fresh memory too
+    (the old is left to the sends in flight) and each slice takes its node's values there.
+    Writing them into the old memory would change a message while it is being sent."""
+    if all(st.flat.data_ptr() == v.flat.data_ptr() for v, st in zip(views, states)):
+        return False
+    model = views[0].state
+    model.rehome()
+    for v, st in zip(views, states):
+        lo, hi = v.bounds[v.group.rank]
+        v.flat = model.flat[lo:hi]
+        st.rehome(into=v.flat)  # its mixed values, and it mixes the model's own memory again
+    return True

@@ -25,7 +25,9 @@ from gossip.groups.checkpoint import (
 from gossip.groups.group import Group, GroupEnv, GroupError, group_env, start_group
 from gossip.mixing.settings import MixingSettings
 from gossip.protocol.group import Decision, ShardFollower
-from gossip.training.shards import ReplicaSlice
+from gossip.core.state import FlatState
+from gossip.protocol.group import ShardModule
+from gossip.training.shards import ReplicaSlice, SlicePlace, take_slices
 from gossip.training.tasks import get_task
 from gossip.transport.ports import free_ports
 
@@ -120,6 +122,36 @@ def test_under_ddp_rank_r_gossips_slice_r_of_the_replica_and_rank_r_of_every_gro
     home = view.moved(fresh)  # a send still held the old memory: the replica moves, the values come along
     assert torch.equal(home, fresh) and home.data_ptr() != fresh.data_ptr() and view.is_bound()
     assert torch.equal(model[1].bias.detach(), fresh[-3:])
+
+
+def test_a_slice_whose_send_is_still_in_flight_is_never_written_by_the_model_taking_it_back() -> None:
+    """``gossip-node --as-group 2``: one model, a node per slice. Node 1's send still held
+    its slice when it mixed, so node 1 mixed into fresh memory; taking the slices back moves
+    the whole model and leaves the memory being sent as it was sent (it once got node 1's
+    mixed values written into it mid-send, and a neighbour took half-mixed values)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    state = FlatState(model)
+    views = [ReplicaSlice(state, SlicePlace(r, 2)) for r in range(2)]
+    nodes = [FlatState(ShardModule(v.flat)) for v in views]
+    for v, st in zip(views, nodes):
+        st.rehome(into=v.flat)  # each node mixes its slice of the model in place
+    assert not take_slices(views, nodes)  # nothing moved: nothing to do
+    sending = views[1].flat  # what node 1's transport still reads
+    sent = sending.clone()
+    nodes[1].rehome()  # node 1 mixed with its send in flight (Node.settle): fresh memory
+    with torch.no_grad():
+        nodes[0].flat.add_(1.0)  # the round's mixing
+        nodes[1].flat.add_(2.0)
+    mixed = [nodes[0].flat.clone(), nodes[1].flat.clone()]
+    assert take_slices(views, nodes)
+    assert torch.equal(sending, sent)  # the message in flight is as it was sent
+    whole = state.flat
+    for r, (v, st) in enumerate(zip(views, nodes)):
+        lo, hi = v.bounds[r]
+        assert torch.equal(whole[lo:hi], mixed[r]) and v.is_bound()  # the model holds the mixed values
+        assert st.flat.data_ptr() == whole[lo:].data_ptr()  # and each node mixes the model's memory again
+    assert torch.equal(model[1].bias.detach(), mixed[1][-3:])
 
 
 def test_under_fsdp_the_local_shards_are_rehomed_into_one_vector_that_is_the_model() -> None:
