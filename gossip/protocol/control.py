@@ -399,10 +399,16 @@ class ControlPlane:
         be for a round its cluster has passed. Also this node's pace: the most rounds a
         second it ran in any of its last :data:`PACE_WINDOWS` seconds (a stall of its own,
         a wait for a dead neighbour, does not make it guess that the others stalled too):
-        see ``Membership.round_now``."""
-        rnd = self.progress()[1]
+        see ``Membership.round_now``. Only rounds trained count: a joiner's round jumps to
+        its donor's, thousands at once, and taken for a pace that jump put the joins and
+        leaves it announced in the next seconds thousands of rounds ahead (a real cluster
+        under churn then waited out a round timeout per round for minutes)."""
+        status, rnd, _ = self.progress()
         me = self.m.members[self.id]
         me.round, me.round_at, self.m.clock = rnd, now, now
+        if status != "training":
+            self._pace = (-math.inf, rnd)  # measured afresh from its first round trained
+            return
         since, then = self._pace
         if now - since >= 1.0:
             if math.isfinite(since):

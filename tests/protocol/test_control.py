@@ -672,3 +672,23 @@ def test_a_leave_is_announced_past_this_node_s_own_round_when_no_other_trainer_i
     det.next = Verdicts(dead=[c])
     assert tick(p.cp, 1.0) == [c]
     assert p.m.leaves[c] == 317 + p.m.timing.leave_margin
+
+
+def test_a_joiners_jump_to_its_donors_round_is_not_taken_for_its_pace():
+    """A joiner waits at round 0, then trains from its donor's round 4,045 at 40 rounds a
+    second: its pace is 40, so a join it schedules two seconds later is a few heartbeats of
+    rounds ahead. The jump once counted as 4,045 rounds in a second, and such a node put
+    the joins and leaves it announced thousands of rounds ahead: a real cluster under
+    churn then timed out round after round for minutes."""
+    a = Plane("10.0.0.1:1", status="waiting", rnd=0)
+    t = 0.0
+    while t <= 2.0:
+        tick(a.cp, t)
+        t += 0.25
+    a.status, a.round = "training", 4045
+    while t <= 5.0:
+        tick(a.cp, t)
+        t += 0.25
+        a.round += 10  # 40 rounds a second
+    assert 30.0 <= a.m.rate <= 50.0, a.m.rate
+    assert a.m.announce_margin(a.m.timing.join_margin) < 100
