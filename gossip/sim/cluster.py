@@ -101,7 +101,8 @@ class SimProcess:
     exit: str | None = None   # "done", "crashed", "error: ..." once the process is gone
     lives: list[dict[str, Any]] = field(default_factory=list)  # the results of earlier processes
     mix_violations: list[str] = field(default_factory=list)  # see SimCluster._audit_mixing
-    after_finish: bool = False  # it started when another process had finished, or was a join margin from it
+    after_finish: bool = False  # it began a life (a start, a new one before training) when another process
+    #                             had finished or was a join margin from it
     drift: float = 0.0        # its clock runs at (1 + drift) times virtual time ...
     offset: float = 0.0       # ... from this reading at virtual time 0
     member: int = -1          # a rank of a group: the member's index (rank 0 is the member's process)
@@ -336,8 +337,7 @@ class SimCluster:
             self._up += 1
             q.up, q.stalled, q.polling, q.primed, q.resume_due = True, False, False, False, False
             q.backlog, q.exit, q.started_at, q.rounds = [], None, self.now, {}
-        others = [q for q in self.procs if q is not p]
-        p.after_finish = any(q.exit == "done" or (q.up and q.life is not None and self._finishing(q)) for q in others)
+        p.after_finish = self._near_finish(p)
         local = p.local
         first = 10**6 + int(local(self.now) * 1e6) + p.epoch  # later processes have later lives, as on a wall clock
         group = None
@@ -349,7 +349,7 @@ class SimCluster:
                            fingerprint=self.fingerprint, incarnation=first,
                            send=lambda dst, msg, p=p: self._send(p, dst, msg, False),
                            reconnect=lambda peer: None, origin=local(self.now), clock=lambda: local(self.now),
-                           new_incarnation=lambda prev: max(10**6 + int(local(self.now) * 1e6), prev + 1),
+                           new_incarnation=lambda prev, p=p: self._new_life(p, prev),
                            model=None if group is None else ShardModule(group.views[0].flat))
         p.life.audit = True  # record the states handed over and taken (gossip.sim.explore checks them)
         p.life.on_node = lambda node, p=p: self._audit_mixing(p, node)
@@ -371,6 +371,19 @@ class SimCluster:
         for q in self.ranks[i]:
             self._push(self.now, RESUME, q.index, (q.epoch, q.token))
         self._push(self.now, TICK, i, p.epoch)
+
+    def _near_finish(self, p: SimProcess) -> bool:
+        """Whether another process has finished, or trains within a join margin of its end."""
+        return any(q.exit == "done" or (q.up and q.life is not None and self._finishing(q))
+                   for q in self.procs if q is not p)
+
+    def _new_life(self, p: SimProcess, prev: int) -> int:
+        """``p``'s next incarnation (later lives are later on its clock, as on a wall clock).
+        A life begun near another's finish may find its cluster finished before its join
+        round, as one started then: a join that a false death sent back to discovery, or a
+        rejoin, near the end."""
+        p.after_finish = p.after_finish or self._near_finish(p)
+        return max(10**6 + int(p.local(self.now) * 1e6), prev + 1)
 
     @staticmethod
     def _finishing(q: SimProcess) -> bool:

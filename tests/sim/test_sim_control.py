@@ -375,6 +375,25 @@ def test_news_a_starter_heard_firsthand_outlives_its_crash(tmp_path):
     assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
 
 
+def test_a_joiner_sent_back_to_discovery_near_the_finish_may_find_nothing_left_to_train(tmp_path):
+    """Seed 3008009146, around the finish: of 3 nodes, 1 crashed and 0 restarted, 0.7 s of
+    training before the end; 2 scheduled 0's join, then a 2.5 s latency spike between them
+    had each declare the other dead, and 0 looked for a cluster again as a new life when 2
+    was a join margin from its end: its join round fell past the end, and it said there
+    was nothing left to train (gossip-node exits 0). The explorer counted that a
+    violation, judging only the moment the process started; a life begun near another's
+    finish is judged as a start then."""
+    from gossip.sim import explore
+
+    s = explore.draw(3008009146)
+    assert not s.settles and [f[1] for f in s.faults] == ["crash", "restart", "spike"]
+    c = explore.run_schedule(s, str(tmp_path), "swim")
+    late = c.procs[0]
+    r = c.results()[0]
+    assert late.after_finish and r["exit"].startswith(explore.AFTER_FINISH), r
+    assert explore.check(c, s.settles) == []
+
+
 def test_dense_fault_schedules_hold_every_invariant():
     """A bounded form of ``python -m gossip.sim.explore --churn``."""
     from gossip.sim import explore
