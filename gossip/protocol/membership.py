@@ -15,6 +15,7 @@ Times come from the caller (``now``), never from a clock read here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -794,14 +795,27 @@ def topology_for(spec: Any, n: int, *, seed: int = 0, dcs: list[Any] | None = No
     does not fit ``n`` members (``torus:4x4`` after a death) falls back to a
     ring, with a warning: a cluster that shrinks keeps training.
     """
-    from topologies import build
-
     if isinstance(spec, str):
         name, _, args = spec.partition(":")
         if name.strip() == "hierarchical" and dcs is not None:
             sizes = [sum(1 for d in dcs if d == label) for label in dict.fromkeys(dcs)]
             options = [a for a in args.split(",") if "=" in a]
             spec = "hierarchical:" + ",".join([*map(str, sizes), *options]) if len(sizes) > 1 else "complete"
+        return _built(spec, n, seed)
+    return _build(spec, n, seed)
+
+
+@functools.lru_cache(maxsize=32)
+def _built(spec: str, n: int, seed: int) -> Any:
+    """One topology per spec, size and seed in a process, shared by whoever asks: a topology
+    never changes once built, and the simulator's n members each building their own graph
+    of n nodes held n squared graph entries (22 GB at 4,096 members)."""
+    return _build(spec, n, seed)
+
+
+def _build(spec: Any, n: int, seed: int) -> Any:
+    from topologies import build
+
     try:
         return build(spec, n, seed=seed)
     except ValueError as e:

@@ -271,3 +271,15 @@ def test_a_delayed_message_does_not_turn_a_trainer_back_into_a_waiter_nor_its_ro
     assert (m.members["b:1"].status, m.members["b:1"].round) == ("waiting", 0)
     m.heard("b:1", 1, 4.1, status="training", round=8, seq=7)  # the old life's last words: stale
     assert (m.members["b:1"].incarnation, m.members["b:1"].status) == (2, "waiting")
+
+
+def test_members_of_one_process_share_one_topology_per_spec_size_and_seed():
+    """The simulator's n members each used to build their own graph of n nodes (n squared
+    graph entries: 22 GB at 4,096 members); a topology never changes once built, so one
+    process builds it once."""
+    from gossip.protocol.membership import topology_for
+
+    ring = topology_for("ring", 8, seed=0)
+    assert topology_for("ring", 8, seed=0) is ring
+    assert topology_for("ring", 9, seed=0) is not ring and topology_for("ring", 8, seed=1) is not ring
+    assert topology_for("torus:4x4", 15).spec.startswith("ring")  # a spec that does not fit: a ring, as before
