@@ -126,8 +126,7 @@ class Collectives:
         deadline = time.monotonic() + max(peer.cfg.timing.join_timeout, peer.cfg.timeout)
         while True:
             with peer.lock:
-                alive = set(peer.membership.members)
-            missing = [m for m in node.members if m not in got and m in alive]
+                missing = [m for m in node.members if m not in got and self._answers(m, node.round)]
             if not missing:
                 break
             if time.monotonic() > deadline:
@@ -137,6 +136,19 @@ class Collectives:
             peer._service(0.05)
         del self.got[(op, call)]
         return got
+
+    def _answers(self, mid: str, rnd: int) -> bool:
+        """Whether member ``mid`` of round ``rnd`` can answer a call (``lock`` held): it is in
+        the member table, in the life the schedule has train then. A restarted member's new
+        life that waits for its join round cannot (its old life is dead, and the new one
+        calls the collectives only once it trains): waiting for it held every call up to
+        ``join_timeout``, call after call, until its join round, which the calls held back."""
+        membership = self.peer.membership
+        m = membership.members.get(mid)
+        if m is None:
+            return False
+        _, life = membership.life_in(mid, rnd)
+        return life is None or m.incarnation == life
 
     def on_message(self, msg: Message) -> None:
         """An "average" message from a member (checked: its op, size, values)."""

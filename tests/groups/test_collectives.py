@@ -21,6 +21,7 @@ import torch.distributed as dist
 from gossip.groups.collectives import GroupCollectives, follower_wait
 from gossip.groups.link import StoreLink
 from gossip.peer.collectives import Collectives
+from gossip.protocol.membership import Membership
 from gossip.transport import wire
 
 LIMIT = 60.0
@@ -42,9 +43,12 @@ class FakePeer:
     def __init__(self, net: Net, mid: str) -> None:
         self.net, self.id = net, mid
         self.incarnation, self.fingerprint = 1, "shards-of-2"
-        self.node = SimpleNamespace(members=list(net.members), step=0)
+        self.node = SimpleNamespace(members=list(net.members), step=0, round=0)
         self.lock = threading.Lock()
-        self.membership = SimpleNamespace(members={m: None for m in net.members})
+        self.membership = Membership(mid, 1, "f" * 16)  # every member started, in its first life
+        self.membership.start(list(net.members), [1] * len(net.members))
+        for m in net.members:
+            self.membership.heard(m, 1, 0.0)
         self.cfg = SimpleNamespace(timing=SimpleNamespace(join_timeout=LIMIT), timeout=1.0)
         self.control = SimpleNamespace(reject=lambda *a: self.rejected.append(a))
         self.rejected: list[Any] = []
