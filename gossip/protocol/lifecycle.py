@@ -587,7 +587,7 @@ class Lifecycle:
                 # next, rather than when its probe order happens to meet it (SWIM)
                 for e in awaited:
                     m = self.membership.members.get(e)
-                    if m is not None and self.control.now - m.last_seen > SILENT_GAPS * m.state_gap:
+                    if m is not None and self._silent(m):
                         self.control.detector.urge(e, self.control.now)
             now = yield Poll(min(remaining, POLL))
         self.late = 0
@@ -609,8 +609,12 @@ class Lifecycle:
         m = self.membership.members.get(mid)
         trains, life = self.membership.life_in(mid, rnd)
         return m is None or not trains or (life is not None and m.incarnation != life) \
-            or (not self.cfg.wait_for_suspects and self.control.detector.suspected(mid)
-                and self.control.now - m.last_seen > SILENT_GAPS * m.state_gap)
+            or (not self.cfg.wait_for_suspects and self.control.detector.suspected(mid) and self._silent(m))
+
+    def _silent(self, m: Any) -> bool:
+        """Whether nothing came from member record ``m`` for :data:`SILENT_GAPS` times its
+        usual gap between two state messages."""
+        return self.control.now - m.last_seen > SILENT_GAPS * m.state_gap
 
     def out_of_step(self, awaited: list[str]) -> None:
         """Rounds keep timing out while the neighbours waited for are alive: say so, and
