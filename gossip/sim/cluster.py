@@ -101,8 +101,8 @@ class SimProcess:
     exit: str | None = None   # "done", "crashed", "error: ..." once the process is gone
     lives: list[dict[str, Any]] = field(default_factory=list)  # the results of earlier processes
     mix_violations: list[str] = field(default_factory=list)  # see SimCluster._audit_mixing
-    after_finish: bool = False  # it began a life (a start, a new one before training) when another process
-    #                             had finished or was a join margin from it
+    after_finish: bool = False  # it began a life (a start, a new one before training), or said hello while
+    #                             waiting to join, when another process had finished or was a join margin from it
     drift: float = 0.0        # its clock runs at (1 + drift) times virtual time ...
     offset: float = 0.0       # ... from this reading at virtual time 0
     member: int = -1          # a rank of a group: the member's index (rank 0 is the member's process)
@@ -514,6 +514,12 @@ class SimCluster:
         if arrival is None or target is None:
             self.frames_lost += 1
             return
+        if msg.kind == "hello" and not p.after_finish and p.life is not None and p.life.status == "waiting" \
+                and target.up and target.life is not None and self._finishing(target):
+            # a joiner whose first word to a trainer comes a join margin from the trainer's
+            # end (its seeds were dead, say): its join round falls after the end, as for
+            # one started then
+            p.after_finish = True
         spikes = self.spikes.get((p.id, dst)) if self.spikes else None
         if spikes:
             arrival += sum(d for t0, t1, d in spikes if t0 <= self.now < t1)

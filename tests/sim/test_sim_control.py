@@ -394,6 +394,23 @@ def test_a_joiner_sent_back_to_discovery_near_the_finish_may_find_nothing_left_t
     assert explore.check(c, s.settles) == []
 
 
+def test_a_joiner_whose_seed_died_and_reaches_the_cluster_near_its_finish_may_find_nothing_left(tmp_path):
+    """Seed 5002015193 (heartbeat), around the finish: of 3 nodes, 2 restarted 22 s in
+    while 1 was 11 rounds from the end, then 0 (2's only seed) crashed. 2 reached 1 only
+    when 1 spoke to it, at round 98: its join round fell past the end and it said there
+    was nothing left to train. The explorer judged only the moment the life began (1 was
+    then more than a join margin from its end); a hello that first reaches a trainer a
+    join margin from its end is judged as a start then."""
+    from gossip.sim import explore
+
+    s = explore.draw(5002015193)
+    assert not s.settles and [f[1:3] for f in s.faults] == [("restart", 1), ("restart", 2), ("crash", 0)]
+    c = explore.run_schedule(s, str(tmp_path), "heartbeat")
+    late = c.procs[2]
+    assert late.after_finish and c.results()[2]["exit"].startswith(explore.AFTER_FINISH)
+    assert explore.check(c, s.settles) == []
+
+
 def test_dense_fault_schedules_hold_every_invariant():
     """A bounded form of ``python -m gossip.sim.explore --churn``."""
     from gossip.sim import explore
