@@ -48,7 +48,7 @@ MAX_LOGGED = 10_000  # (peer, reason) pairs logged once each
 PACE_WINDOWS = 10  # seconds of this node's pace (rounds a second, measured each second) kept
 MAX_PROBED = 64  # members declared dead we keep saying hello to (the most recent); lists that drop us kept
 DELTA_IDS = 256  # members in one delta message (see ControlPlane._delta_messages): about 11 KB
-MAX_MEMBERS = 65536  # entries in one list of a control message (SWIM remembers as many, SwimOptions.max_members)
+MAX_MEMBERS = wire.MAX_LIST  # entries in one list of a control message (SWIM remembers as many, SwimOptions.max_members)
 MAX_AGREE_BYTES = MAX_MEMBERS // 8  # an agreement bitmap: a bit per member, as many as a member list holds
 BACKOFF_MAX = 8.0  # seconds between hellos to a seed that does not answer or a member declared dead, at most
 

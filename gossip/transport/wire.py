@@ -49,6 +49,7 @@ KINDS = frozenset({"state", "hello", "members", "ping", "pong", "bye", "state-re
 SWIM_OPS = frozenset({"ping", "ping-req", "ack", "gossip"})  # gossip.protocol.swim.OPS: a swim message's x["op"]
 DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 MAX_HEADER = 1024 * 1024  # a whole member table of about 24,000 members (a start's, an anti-entropy exchange's)
+MAX_LIST = 65536  # entries in one list of a header's map: a member table's ids (MAX_HEADER bounds the bytes)
 MAX_FRAMES = 2 + 65536  # with 1 MiB chunks: 64 GiB; ZeroMQ's MAXMSGSIZE bounds the real total
 CHUNK = 2**20
 MAX_INT = 2**63 - 1
@@ -144,7 +145,7 @@ def _scalars(d: Any, what: str) -> dict[str, Any]:
         if not isinstance(k, str):
             raise WireError("header", f"{what} keys must be strings")
         if isinstance(v, (list, tuple)):
-            if len(v) > 4096 or not all(isinstance(e, (str, int, float, bool)) or e is None for e in v):
+            if len(v) > MAX_LIST or not all(isinstance(e, (str, int, float, bool)) or e is None for e in v):
                 raise WireError("header", f"{what}.{k} must be a short list of scalars")
         elif not (isinstance(v, (str, int, float, bool)) or v is None):
             raise WireError("header", f"{what}.{k} must be a scalar")

@@ -44,6 +44,22 @@ def test_control_message_round_trip():
     assert back.kind == "hello" and back.extra["mids"] == ["a:1", "b:2"] and back.data is None
 
 
+def test_a_member_table_of_thousands_travels_whole():
+    """A start's or an anti-entropy exchange's member table lists every member: 4,097 at
+    4,096 members and a joiner (a cap of 4,096 entries once rejected it as malformed).
+    The header's byte cap bounds it; a list longer than MAX_LIST is still refused."""
+    from gossip.protocol.control import parse_control
+
+    ids = [f"10.0.{i >> 8}.{i & 255}:7000" for i in range(4097)]
+    msg = Message("members", "h:1", 0, 0, 0, None, None,
+                  {"inc": 9, "status": "training", "mids": ids, "mincs": list(range(1, 4098))}, "fp")
+    back = wire.decode(frames_of(msg))
+    assert back.extra["mids"] == ids and parse_control(back).mids == ids
+    big = Message("members", "h:1", 0, 0, 0, None, None, {"inc": 9, "mincs": [1] * (wire.MAX_LIST + 1)}, "fp")
+    with pytest.raises(wire.WireError, match="short list"):
+        wire.decode(frames_of(big))
+
+
 def test_tensor_frames_are_not_copied_on_encode():
     x = torch.arange(1000, dtype=torch.float32)
     frames = wire.encode(state_message(x))
