@@ -138,6 +138,27 @@ def _int(h: dict, key: str, default: int | None = None) -> int:
     return v
 
 
+MAX_SHARED = 1 << 17  # distinct strings _shared keeps one copy of
+
+
+_SHARED: dict[str, str] = {}
+
+
+def _shared(s: str) -> str:
+    """One copy of a short string that a process decodes again and again: node ids above
+    all, which key every member table (a simulated cluster of n holds n tables of n, each
+    key otherwise its own copy from some message). Bounded: a flood of new strings only
+    ends the sharing, it takes no more memory."""
+    if len(s) > 256:
+        return s
+    t = _SHARED.get(s)
+    if t is None:
+        if len(_SHARED) >= MAX_SHARED:
+            return s
+        t = _SHARED[s] = s
+    return t
+
+
 def _scalars(d: Any, what: str) -> dict[str, Any]:
     if not isinstance(d, dict) or len(d) > 64:
         raise WireError("header", f"{what} must be a small map")
@@ -147,10 +168,14 @@ def _scalars(d: Any, what: str) -> dict[str, Any]:
         if isinstance(v, (list, tuple)):
             if len(v) > MAX_LIST or not all(isinstance(e, (str, int, float, bool)) or e is None for e in v):
                 raise WireError("header", f"{what}.{k} must be a short list of scalars")
-        elif not (isinstance(v, (str, int, float, bool)) or v is None):
+            if v and isinstance(v[0], str):
+                d[k] = [_shared(e) if isinstance(e, str) else e for e in v]
+        elif isinstance(v, str):
+            if len(v) > 4096:
+                raise WireError("header", f"{what}.{k} is too long")
+            d[k] = _shared(v)
+        elif not (isinstance(v, (int, float, bool)) or v is None):
             raise WireError("header", f"{what}.{k} must be a scalar")
-        if isinstance(v, str) and len(v) > 4096:
-            raise WireError("header", f"{what}.{k} is too long")
     return d
 
 
@@ -208,6 +233,8 @@ def decode(frames: Sequence[Any]) -> Message:
     if not _is_node_id(sender) and not (
             isinstance(sender, int) and not isinstance(sender, bool) and 0 <= sender <= MAX_INT):
         raise WireError("header", "bad sender id")
+    if isinstance(sender, str):
+        sender = _shared(sender)
     seq, rnd, prog = _int(h, "seq", 0), _int(h, "round", 0), _int(h, "prog", 0)
     fp = h.get("fp", "")
     if not isinstance(fp, str) or len(fp) > 128:

@@ -60,6 +60,23 @@ def test_a_member_table_of_thousands_travels_whole():
         wire.decode(frames_of(big))
 
 
+def test_decoded_ids_are_one_copy_and_the_sharing_is_bounded(monkeypatch):
+    """Every member table keys the same ids: a simulated cluster of n holds n tables of n,
+    so each decode of an id hands back one shared copy; a flood of new strings ends the
+    sharing once MAX_SHARED are kept, and takes no more memory."""
+    def ids_of():
+        msg = Message("members", "h:1", 0, 0, 0, None, None, {"inc": 9, "mids": ["a:1", "b:2"]}, "fp")
+        back = wire.decode(frames_of(msg))
+        return [back.sender, *back.extra["mids"]]
+
+    first, again = ids_of(), ids_of()
+    assert first == again and all(a is b for a, b in zip(first, again))
+    monkeypatch.setattr(wire, "_SHARED", {})
+    monkeypatch.setattr(wire, "MAX_SHARED", 2)
+    first, again = ids_of(), ids_of()
+    assert len(wire._SHARED) == 2 and first[2] == again[2] and first[2] is not again[2]
+
+
 def test_tensor_frames_are_not_copied_on_encode():
     x = torch.arange(1000, dtype=torch.float32)
     frames = wire.encode(state_message(x))
