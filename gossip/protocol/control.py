@@ -63,6 +63,21 @@ def _str_list(x: dict, key: str, limit: int = MAX_MEMBERS, min_len: int = 1) -> 
     return v
 
 
+_BITS = bytes.maketrans(b"01", b"\x00\x01")
+
+
+def set_bits(bits: bytes, ids: list[str]) -> list[str]:
+    """The ids whose bit is set in the bitmap ``bits`` (bit ``i & 7`` of byte ``i >> 3`` for
+    ``ids[i]``), in C loops: a start's agreement bitmaps arrive with most messages, and at
+    thousands of members a loop over the ids in Python was a tenth of the start's time.
+
+    >>> set_bits(bytes([0b101, 0b1]), list("abcdefghij"))
+    ['a', 'c', 'i']
+    """
+    flags = format(int.from_bytes(bits, "little"), "b")[::-1].encode().translate(_BITS)  # flags[i]: bit i
+    return list(itertools.compress(ids, flags))
+
+
 def _int_list(x: dict, key: str, n: int) -> list[int] | None:
     v = x.get(key)
     if v is None:
@@ -382,7 +397,8 @@ class ControlPlane:
             ids = self.m.ids()
             for bits, into in zip(f.agree[1:], (self.agree, self.ready)):
                 if len(bits) == (len(ids) + 7) // 8:
-                    into.update(mid for i, mid in enumerate(ids) if bits[i >> 3] >> (i & 7) & 1 and mid != self.id)
+                    into.update(set_bits(bits, ids))
+                    into.discard(self.id)
         self.ready &= self.agree
         if (len(self.agree), len(self.ready)) != before:
             self._agree_bits = None

@@ -262,7 +262,7 @@ class Lifecycle:
         refused_at: float | None = None  # when every seed had refused this node
         last_note = asked = last_former = start
         seen: tuple[int, int] | None = None  # the (version, statuses) ``running`` is of
-        running: list[str] = []
+        running: list[str] = []  # the other members that train or finished
         self.control.apply(self.control.hello_all(former))
         while not self.stop.is_set():
             now = yield Poll(POLL)
@@ -276,9 +276,14 @@ class Lifecycle:
                 # wakes this loop on every message, and a cluster of thousands sends many)
                 others = len(self.membership.members) - 1
                 key = (self.membership.version, self.membership.statuses)
-                if key != seen:
-                    seen, running = key, [m for m in self.membership.others()
-                                          if self.membership.members[m].status in ("training", "done")]
+                if seen is None or key[1] != seen[1]:  # a status changed: look at every member
+                    running = [m for m in self.membership.others()
+                               if self.membership.members[m].status in ("training", "done")]
+                elif key != seen:  # members came or went (one learned from a list has no status
+                    # yet, and a status it takes counts as a change): the ones still there
+                    running = [m for m in running if (r := self.membership.members.get(m)) is not None
+                               and r.status in ("training", "done")]
+                seen = key
                 base_known = self.membership.started
                 in_base = self.id in self.membership.base
                 # a schedule none of whose other members counts in the life it has now:
