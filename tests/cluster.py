@@ -17,6 +17,13 @@ from tests import forkserver
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
+# the timing of real runs compared number for number with the simulator or with single
+# nodes: every round mixes every member, so a hiccup of a loaded machine must neither leave a
+# slow neighbour out of a round (a suspect silent for a second) nor have it declared dead;
+# such a test also asserts that no round timed out or went on without a neighbour
+EXACT = ["--heartbeat", "0.25", "--dead-after", "10", "--settle", "1", "--grace", "5", "--timeout", "60",
+         "--wait-for-suspects"]
+
 
 def _node_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """A node process's environment: unbuffered output, one OpenMP thread, ``extra``, and

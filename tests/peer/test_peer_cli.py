@@ -15,14 +15,14 @@ import zmq
 
 import gossip
 from gossip.core.checkpoint import latest_checkpoint, load_checkpoint
-from tests.cluster import Cluster, free_port
+from tests.cluster import EXACT, Cluster, free_port
 
 FAST = ["--heartbeat", "0.2", "--dead-after", "2", "--settle", "1", "--grace", "5"]
 
 
-def ring_args(peer: str, steps: int, *extra: str) -> list[str]:
+def ring_args(peer: str, steps: int, *extra: str, timing: list[str] = FAST) -> list[str]:
     return ["--peers", peer, "--topology", "ring", "--algorithm", "gossip", "--task", "synthetic",
-            "--steps", str(steps), "--seed", "0", "--json", *FAST, *extra]
+            "--steps", str(steps), "--seed", "0", "--json", *timing, *extra]
 
 
 def test_four_nodes_train_together_and_finish(tmp_path):
@@ -51,8 +51,11 @@ def test_wire_mixing_equals_the_simulator(tmp_path):
     ports = sorted(free_port() for _ in range(n))  # sorted ids = simulator ranks
     with Cluster(tmp_path) as c:
         nodes = [c.start(f"n{i}", ring_args(f"127.0.0.1:{ports[(i + 1) % n]}", steps, "--checkpoint-dir",
-                                            str(tmp_path / f"ck{i}")), port=ports[i]) for i in range(n)]
+                                            str(tmp_path / f"ck{i}"), timing=EXACT), port=ports[i]) for i in range(n)]
         assert c.wait_all(120) == [0] * n
+    for node in nodes:  # every round mixed every neighbour, as the simulator's do
+        s = node.summary()
+        assert (s["timed_out_rounds"], s["skipped_rounds"]) == (0, 0), s
     sim = gossip.simulate(nodes=n, topology="ring", algorithm="gossip", task="synthetic", steps=steps, seed=0,
                           eval_every=steps)
     ids = sorted(f"127.0.0.1:{p}" for p in ports)
