@@ -51,7 +51,7 @@ from gossip.protocol.config import PeerConfig
 from gossip.protocol.control import ControlPlane
 from gossip.protocol.errors import PeerError
 from gossip.protocol.joining import ClusterGone, Joining
-from gossip.protocol.membership import Membership, out_of_step, topology_for
+from gossip.protocol.membership import RUNNING, Membership, out_of_step, topology_for
 from gossip.training.node import Node, NodeConfig
 from gossip.transport.addresses import parse_address
 
@@ -261,7 +261,7 @@ class Lifecycle:
         warned = False
         refused_at: float | None = None  # when every seed had refused this node
         last_note = asked = last_former = start
-        seen: tuple[int, int] | None = None  # the (version, statuses) ``running`` is of
+        seen: tuple[int, int] | None = None  # the (version, running_changes) ``running`` is of
         running: list[str] = []  # the other members that train or finished
         self.control.apply(self.control.hello_all(former))
         while not self.stop.is_set():
@@ -275,14 +275,13 @@ class Lifecycle:
                 # (looked for again only when the table or a status changed: a simulator
                 # wakes this loop on every message, and a cluster of thousands sends many)
                 others = len(self.membership.members) - 1
-                key = (self.membership.version, self.membership.statuses)
-                if seen is None or key[1] != seen[1]:  # a status changed: look at every member
-                    running = [m for m in self.membership.others()
-                               if self.membership.members[m].status in ("training", "done")]
-                elif key != seen:  # members came or went (one learned from a list has no status
-                    # yet, and a status it takes counts as a change): the ones still there
+                key = (self.membership.version, self.membership.running_changes)
+                if seen is None or key[1] != seen[1]:  # a member began or stopped training: look at all
+                    running = [m for m in self.membership.others() if self.membership.members[m].status in RUNNING]
+                elif key != seen:  # members came or went (a new record has no status yet, and the
+                    # status it takes counts as a change): the ones still there
                     running = [m for m in running if (r := self.membership.members.get(m)) is not None
-                               and r.status in ("training", "done")]
+                               and r.status in RUNNING]
                 seen = key
                 base_known = self.membership.started
                 in_base = self.id in self.membership.base
@@ -295,11 +294,13 @@ class Lifecycle:
                 log.warning("%s: no member of the cluster it would start with counts in it any more (they "
                             "restarted or died before it trained); looking for a cluster again", self.id)
                 yield from self.start_over()
+                seen = None
                 continue
             if spent:
                 log.warning("%s: the cluster started with this node and dropped it before it trained (silent "
                             "for more than --dead-after s); joining it as a new life", self.id)
                 yield from self.start_over()
+                seen = None
                 continue
             if running:
                 if base_known:
