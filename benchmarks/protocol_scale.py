@@ -25,7 +25,12 @@ One run per cluster size ``n``:
 - ``join_s``: a node started late, seeded with node 0: seconds until its first step;
 - ``false_deaths``: removals of a node that never crashed, summed over all nodes' tables
   (their ``member ... removed: silent`` verdicts);
-- ``wall_s_per_member_s``: the machine's seconds per simulated member-second.
+- ``wall_s_per_member_s``: the machine's seconds per simulated member-second, and
+  ``wall_s_start`` those until every node trained (the start is the dearest part: each
+  node learns every member, and the agreement bitmaps are a bit per member).
+
+Each figure is also printed to stderr as soon as it is measured, with the wall seconds
+so far (a run of thousands takes hours).
 
     python benchmarks/protocol_scale.py [--nodes 16,64,256] [--loss 0.01]
 
@@ -41,6 +46,7 @@ import re
 import sys
 import time
 from collections import Counter
+from typing import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -75,8 +81,9 @@ class _Verdicts(logging.Handler):
 
 
 def run(n: int, *, loss: float = 0.01, step_time: float = 0.1, steady: float = 10.0, crashes: int = 3,
-        gap: float = 10.0, seed: int = 0) -> dict:
-    """The figures of one cluster of ``n`` (see the module docstring)."""
+        gap: float = 10.0, seed: int = 0, progress: Callable[[str], None] | None = None) -> dict:
+    """The figures of one cluster of ``n`` (see the module docstring); ``progress`` gets a
+    line with each figure as it is measured (a run of thousands takes hours)."""
     if n < crashes + 3:
         raise ValueError(f"--nodes: {n} is too few for {crashes} crashes and a joiner's seed")
     verdicts = _Verdicts()
@@ -96,6 +103,8 @@ def run(n: int, *, loss: float = 0.01, step_time: float = 0.1, steady: float = 1
     if len([i for i in first if i < n]) < n:
         raise RuntimeError(f"{n} nodes: only {len(first)} trained within 600 virtual s")
     form_s = max(first[i] for i in range(n))
+    t_form = time.perf_counter()
+    _say(progress, n, t0, f"form_s {form_s:.3f}")
     # steady training: control traffic over a window after formation (a few seconds after,
     # so that the start's own messages are over)
     c.run(until=t + 5.0)
@@ -104,6 +113,7 @@ def run(n: int, *, loss: float = 0.01, step_time: float = 0.1, steady: float = 1
     msgs = sum(v - sent0[k] for k, v in c.traffic.items() if k not in NODE_KINDS)
     nbytes = sum(v - bytes0[k] for k, v in c.traffic_bytes.items() if k not in NODE_KINDS)
     t = c.now
+    _say(progress, n, t0, f"ctrl_msgs_per_node_s {msgs / (n * steady):.2f}, ctrl_bytes_per_node_s {nbytes / (n * steady):.1f}")
     # crashes, one at a time: seconds until no survivor's table holds the crashed node
     victims = [n // 2 + k * max(1, n // (2 * crashes)) for k in range(crashes)]
     victims = sorted({min(v, n - 1) for v in victims} - {0})
@@ -119,6 +129,7 @@ def run(n: int, *, loss: float = 0.01, step_time: float = 0.1, steady: float = 1
             if all(vid not in c.procs[i].life.membership.members for i in range(n) if i not in dead):
                 break
         detect.append(t - at)
+        _say(progress, n, t0, f"crash of node {v}: known to all survivors {t - at:.2f} s after it")
         t += gap
         c.run(until=t)
     # a late joiner: seconds until its first step
@@ -128,6 +139,7 @@ def run(n: int, *, loss: float = 0.01, step_time: float = 0.1, steady: float = 1
         t += 0.1
         c.run(until=t)
     join_s = first[joiner] - at if joiner in first else None
+    _say(progress, n, t0, f"join_s {'none' if join_s is None else f'{join_s:.3f}'}")
     wall = time.perf_counter() - t0
     logging.getLogger("gossip").removeHandler(verdicts)
     crashed = {node_id(v) for v in victims}
@@ -141,11 +153,17 @@ def run(n: int, *, loss: float = 0.01, step_time: float = 0.1, steady: float = 1
         "join_s": None if join_s is None else round(join_s, 3),
         "false_deaths": sum(k for mid, k in verdicts.removed.items() if mid not in crashed),
         "wall_s_per_member_s": round(wall / (n * c.now), 6),
+        "wall_s_start": round(t_form - t0, 1),
         "wall_s": round(wall, 1),
         "virtual_s": round(c.now, 1),
         "traffic_by_kind": {k: v for k, v in sorted(c.traffic.items()) if k not in NODE_KINDS},
         "biggest_ctrl_msg_bytes": {k: v for k, v in sorted(c.traffic_max.items()) if k not in NODE_KINDS},
     }
+
+
+def _say(progress: Callable[[str], None] | None, n: int, t0: float, what: str) -> None:
+    if progress is not None:
+        progress(f"{n:>5} nodes, {time.perf_counter() - t0:.0f} s: {what}")
 
 
 def main() -> None:
@@ -170,7 +188,7 @@ def main() -> None:
     out: dict[str, dict[int, object]] = {}
     for n in sizes:
         r = run(n, loss=args.loss, step_time=args.step_time, steady=args.steady, crashes=args.crashes,
-                seed=args.seed)
+                seed=args.seed, progress=lambda line: print(line, file=sys.stderr, flush=True))
         print(f"{n:>5} nodes: {json.dumps(r)}", flush=True)
         for k, v in r.items():
             out.setdefault(k, {})[n] = v

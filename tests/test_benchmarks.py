@@ -225,8 +225,13 @@ def test_protocol_scale_measures_the_whole_control_plane_of_a_small_cluster():
     """The benchmark's bounded form: 8 members, the figures it reports in their range."""
     from benchmarks.protocol_scale import run
 
-    r = run(8, steady=3.0, crashes=2)
+    lines = []
+    r = run(8, steady=3.0, crashes=2, progress=lines.append)
     assert 0 < r["form_s"] < 15, r
+    # each figure reported as it is measured: formation, traffic, each crash, the join
+    assert [ln.split(": ", 1)[1].split(" ")[0] for ln in lines] == \
+        ["form_s", "ctrl_msgs_per_node_s", "crash", "crash", "join_s"], lines
+    assert f"form_s {r['form_s']:.3f}" in lines[0] and 0 < r["wall_s_start"] <= r["wall_s"], (lines, r)
     assert 1 < r["ctrl_msgs_per_node_s"] < 10 and 50 < r["ctrl_bytes_per_msg"] < 1000, r
     assert 1.0 < r["detect_s"] < 15 and 0 < r["join_s"] < 15 and r["false_deaths"] == 0, r
     assert set(r["traffic_by_kind"]) >= {"hello", "members", "swim"} and "state" not in r["traffic_by_kind"], r
