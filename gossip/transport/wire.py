@@ -138,17 +138,18 @@ def _int(h: dict, key: str, default: int | None = None) -> int:
     return v
 
 
-MAX_SHARED = 1 << 17  # distinct strings _shared keeps one copy of
+MAX_SHARED = 1 << 17  # distinct ids _shared keeps one copy of (twice a member table's most)
 
 
 _SHARED: dict[str, str] = {}
 
 
 def _shared(s: str) -> str:
-    """One copy of a short string that a process decodes again and again: node ids above
-    all, which key every member table (a simulated cluster of n holds n tables of n, each
-    key otherwise its own copy from some message). Bounded: a flood of new strings only
-    ends the sharing, it takes no more memory."""
+    """One copy of a node id that a process decodes again and again (a sender, an entry of a
+    member list): ids key every member table, and a simulated cluster of n holds n tables
+    of n, each key otherwise its own copy from some message. Bounded (MAX_SHARED strings of
+    at most 256 characters): a flood of new ids only ends the sharing. Scalars (a digest
+    changes with every change to the table) are not kept."""
     if len(s) > 256:
         return s
     t = _SHARED.get(s)
@@ -173,7 +174,6 @@ def _scalars(d: Any, what: str) -> dict[str, Any]:
         elif isinstance(v, str):
             if len(v) > 4096:
                 raise WireError("header", f"{what}.{k} is too long")
-            d[k] = _shared(v)
         elif not (isinstance(v, (int, float, bool)) or v is None):
             raise WireError("header", f"{what}.{k} must be a scalar")
     return d
