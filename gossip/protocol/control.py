@@ -33,7 +33,7 @@ from gossip.core.message import Message
 from gossip.core.state import first_difference
 from gossip.protocol.detector import FailureDetector, Frame, HeartbeatDetector
 from gossip.protocol.effects import Effects
-from gossip.protocol.membership import Membership, cluster_after, stronger
+from gossip.protocol.membership import RUNNING, Membership, cluster_after, stronger
 from gossip.protocol.swim_detector import SwimDetector
 from gossip.protocol.timing import DEFAULT_DETECTOR, DETECTORS, Timing
 from gossip.transport import wire
@@ -648,7 +648,7 @@ class ControlPlane:
                 for mid, mdc in zip(f.mids, f.mdcs):
                     if mid in self.m.members and not self.m.members[mid].dc:
                         self.m.set_label(mid, mdc)
-        if lists and f.base is not None and not self.m.started and status in ("training", "done"):
+        if lists and f.base is not None and not self.m.started and status in RUNNING:
             self._learn_start(f)
         # leaves before joins: a restarted member's old life leaves before its new one joins
         if lists and f.lids is not None and f.lrounds is not None:
@@ -949,7 +949,7 @@ class ControlPlane:
             for mid, member in self.m.members.items():
                 if mid == self.id:
                     continue
-                if member.status in ("training", "done"):
+                if member.status in RUNNING:
                     return False, f"{mid} is {member.status}"
                 if seeds and mid in self.agree and mid not in self.ready:
                     return False, f"{mid} waits for one of its seeds"

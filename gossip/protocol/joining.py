@@ -16,6 +16,7 @@ from gossip.core.message import Message
 from gossip.core.state import sha256_of
 from gossip.mixing.base import all_finite, decode_payload
 from gossip.protocol.errors import PeerError
+from gossip.protocol.membership import RUNNING
 
 __all__ = ["Joining", "ClusterGone", "ClusterFinished"]
 
@@ -117,7 +118,7 @@ class Joining:
             with life.lock:  # the members we train with (after a partition, others may count other rounds)
                 rounds = [m.round for k, m in life.membership.members.items() if k != life.id and k in node.members]
                 serving = [k for k, m in life.membership.members.items()  # (a finished one serves its state)
-                           if k != life.id and k in node.members and m.status in ("training", "done")]
+                           if k != life.id and k in node.members and m.status in RUNNING]
             if rounds and max(rounds) >= start_round - 1:
                 break
             if not serving:  # every member that would reach our round finished, died or started a new life
@@ -138,7 +139,7 @@ class Joining:
             with life.lock:  # a member that waits to join too has no state to give: it does not answer.
                 table = life.membership.members  # In-neighbours that train first, then any member that does
                 serving = [m for m in node.members if m != life.id and m in table
-                           and table[m].status in ("training", "done")]
+                           and table[m].status in RUNNING]
             candidates = [m for m in candidates if m in serving] or serving or candidates
             donor = candidates[attempt % len(candidates)]
             asked.add(donor)
@@ -164,7 +165,7 @@ class Joining:
                 with life.lock:
                     table = life.membership.members
                     others = [m for m in node.members if m not in (life.id, donor) and m in table
-                              and table[m].status in ("training", "done")]
+                              and table[m].status in RUNNING]
                 who = others[attempt % len(others)] if others else donor
             if (yield from self._ask(who, node.round, after_round)):
                 return True

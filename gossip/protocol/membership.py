@@ -313,7 +313,7 @@ class Membership:
             self.relabels += 1
 
     def any_training(self) -> bool:
-        return any(m.status in ("training", "done") for k, m in self.members.items() if k != self.self_id)
+        return any(m.status in RUNNING for k, m in self.members.items() if k != self.self_id)
 
     def eventual(self) -> set[str]:
         """This node's cluster once every announced join and leave has taken effect."""
