@@ -116,6 +116,12 @@ class Joining:
         assert node is not None
         while not life.stop.is_set():
             with life.lock:  # the members we train with (after a partition, others may count other rounds)
+                # members that schedule this join at once may pick rounds a round or two apart,
+                # and every member keeps the earliest it hears (Membership.announce_join); so
+                # does this node, and it may have heard a later one first (explorer-style run
+                # of 5 nodes under churn: it started a round after its neighbours' round,
+                # which both waited out, and their neighbours the next)
+                start_round = min(start_round, life.membership.joins.get(life.id, start_round))
                 rounds = [m.round for k, m in life.membership.members.items() if k != life.id and k in node.members]
                 serving = [k for k, m in life.membership.members.items()  # (a finished one serves its state)
                            if k != life.id and k in node.members and m.status in RUNNING]

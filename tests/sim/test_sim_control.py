@@ -122,6 +122,30 @@ def test_a_crash_costs_no_whole_member_table_while_its_news_spreads():
     assert tables == []
 
 
+def test_a_restarted_node_starts_at_the_earliest_join_round_its_members_announced(tmp_path):
+    """Under churn (5 nodes, about 170 rounds a second, a kill and a restart with
+    ``--resume`` every 6 s), the members that a restarted node says hello to each
+    schedule its join, a round apart (4298 and 4299 here); every member keeps the
+    earliest. The joiner took the first one it heard (4299) and began a round after
+    its neighbours, who both waited out round 4298 for it (5 s), and their neighbours
+    round 4299 for them: 4 timed-out rounds for one join. It now starts at the
+    earliest it has heard by the time it pulls its state, as its members do."""
+    from gossip.protocol.timing import Timing
+
+    c = SimCluster(5, steps=4600, seed=15, step_time=0.004, timing=Timing(dead_after=2.0), timeout=5.0,
+                   peers=lambda i: [(i + 1) % 5], checkpoint_dir=lambda i: str(tmp_path / f"n{i}"),
+                   checkpoint_every=200)
+    # (the times of a seeded churn schedule, to the last digit: the rounds' race depends on them)
+    for v, down, up in ((0, 10.895726424656369, 13.052121494321067), (1, 15.968079313210893, 17.973143509473285),
+                        (1, 22.727061849480236, 24.984264564224695)):
+        c.crash(v, at=down)
+        c.start(v, at=up, resume=True)
+    c.run(until=120.0)
+    rs = c.results()
+    assert [r["exit"] for r in rs] == ["done"] * 5 and [r["steps"] for r in rs] == [4600] * 5, rs
+    assert [r["timed_out_rounds"] for r in rs] == [0] * 5, rs
+
+
 def test_a_late_node_joins_receives_a_state_and_trains():
     """Twin of test_late_node_joins_receives_state_and_trains."""
     steps = 600
