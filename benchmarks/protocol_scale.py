@@ -22,6 +22,11 @@ One run per cluster size ``n``:
 - ``detect_s``: for each of ``--crashes`` crashes in turn, the seconds until every
   survivor has removed the crashed node from its member table (the worst; each crash's
   in ``detect_each_s``);
+- ``crash_ctrl_bytes_per_node_s``, ``crash_tables``: the control bytes each survivor sent
+  per second from a crash until every survivor removed it (the worst crash), and the
+  whole member tables (``members`` messages that are not deltas) sent over all crashes'
+  windows: anti-entropy while a crash's news spreads (0 since it waits for a difference
+  to outlast the news);
 - ``join_s``: a node started late, seeded with node 0: seconds until its first step;
 - ``false_deaths``: removals of a node that never crashed, summed over all nodes' tables
   (their ``member ... removed: silent`` verdicts);
@@ -118,8 +123,20 @@ def run(n: int, *, loss: float = 0.01, step_time: float = 0.1, steady: float = 1
     victims = [n // 2 + k * max(1, n // (2 * crashes)) for k in range(crashes)]
     victims = sorted({min(v, n - 1) for v in victims} - {0})
     detect: list[float] = []
+    crash_rates: list[float] = []
     dead: set[int] = set()
+    tables = [0, False]  # whole members messages sent in a crash's window; counting now
+    send = c._send
+
+    def counting(p, dst, msg, droppable):
+        if tables[1] and msg.kind == "members" and not msg.extra.get("delta"):
+            tables[0] += 1
+        send(p, dst, msg, droppable)
+
+    c._send = counting
     for v in victims:
+        bytes0 = sum(b for k, b in c.traffic_bytes.items() if k not in NODE_KINDS)
+        tables[1] = True
         c.crash(v, at=t)
         dead.add(v)
         vid, at = node_id(v), t
@@ -129,6 +146,9 @@ def run(n: int, *, loss: float = 0.01, step_time: float = 0.1, steady: float = 1
             if all(vid not in c.procs[i].life.membership.members for i in range(n) if i not in dead):
                 break
         detect.append(t - at)
+        tables[1] = False
+        sent = sum(b for k, b in c.traffic_bytes.items() if k not in NODE_KINDS) - bytes0
+        crash_rates.append(sent / ((n - len(dead)) * max(t - at, 1e-9)))
         _say(progress, n, t0, f"crash of node {v}: known to all survivors {t - at:.2f} s after it")
         t += gap
         c.run(until=t)
@@ -150,6 +170,8 @@ def run(n: int, *, loss: float = 0.01, step_time: float = 0.1, steady: float = 1
         "ctrl_bytes_per_msg": round(nbytes / max(1, msgs), 1),
         "detect_s": round(max(detect), 3),
         "detect_each_s": [round(d, 3) for d in detect],
+        "crash_ctrl_bytes_per_node_s": round(max(crash_rates), 1),
+        "crash_tables": tables[0],
         "join_s": None if join_s is None else round(join_s, 3),
         "false_deaths": sum(k for mid, k in verdicts.removed.items() if mid not in crashed),
         "wall_s_per_member_s": round(wall / (n * c.now), 6),
