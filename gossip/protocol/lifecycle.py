@@ -634,11 +634,12 @@ class Lifecycle:
             margin = self.cfg.timing.join_margin + self.membership.death_margin()
             alive = {j: (m.status, m.round) for j in awaited if (m := self.membership.members.get(j)) is not None}
             cluster = self.membership.eventual()
+            why = "; ".join(self._awaited_view(j, node.round) for j in sorted(alive))
         if self.late == LATE_ROUNDS or self.late & (self.late - 1) == 0:  # 3, 4, 8, 16 ...: not every round
             log.warning("%s: %d synchronous rounds in a row timed out waiting for %s (alive: %s); this node is at "
-                        "round %d", self.id, self.late, ", ".join(awaited) or "nobody",
+                        "round %d (%s)", self.id, self.late, ", ".join(awaited) or "nobody",
                         ", ".join(f"{j} {st} at round {r}" for j, (st, r) in sorted(alive.items())) or "none",
-                        node.round)
+                        node.round, why or "no schedule entry")
         behind, ahead = out_of_step(node.round, alive, margin)
         for j in behind:
             self.control.apply(self.control.drop(j, f"out of step: it trains in round {alive[j][1]}, this "
@@ -650,6 +651,20 @@ class Lifecycle:
             self.rejoin_cluster = set(cluster) - {self.id}
             return
         self.control.apply(self.control.hello_all(sorted(alive)))  # their member lists, in case ours and theirs differ
+
+    def _awaited_view(self, mid: str, rnd: int) -> str:
+        """Why round ``rnd`` waits for ``mid``, as this node's tables say (call with the
+        lock held): the life its member table holds, the life the schedule has train
+        then, its join and leave rounds, and the detector's suspicion. A wait that lasts
+        says which of these the members disagree on (the log of a wedged run is all
+        there is to go by)."""
+        m = self.membership
+        _, life = m.life_in(mid, rnd)
+        member = m.members.get(mid)
+        entry = "a starter" if mid in m.base else f"its latest life joins at {m.joins.get(mid)}"
+        return (f"{mid}: life {member.incarnation if member is not None else None} in the table, life {life} in "
+                f"the schedule of round {rnd}, {entry} and leaves at {m.leaves.get(mid)}, "
+                f"{'suspected' if self.control.detector.suspected(mid) else 'not suspected'}")
 
     def finish(self) -> Program:
         """Keep serving until every other member is done (or gone), or ``grace`` passes."""

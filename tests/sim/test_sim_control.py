@@ -146,6 +146,32 @@ def test_a_restarted_node_starts_at_the_earliest_join_round_its_members_announce
     assert [r["timed_out_rounds"] for r in rs] == [0] * 5, rs
 
 
+def test_a_wait_that_lasts_is_logged_with_the_schedule_s_view_of_the_awaited_member():
+    """Rounds that keep timing out for a live neighbour name, for each, the life the
+    member table holds, the life the schedule has train in that round, its join and
+    leave, and the detector's suspicion: a wedged run's log is all there is to go by
+    (a CI run of 5 real nodes under churn waited minutes for a restarted member, and
+    its log said only that the member was waiting at round 0)."""
+    c = SimCluster(3, steps=10**6)
+    c.run(until=3.0)
+    life = c.procs[0].life
+    b = node_id(1)
+    with life.lock:
+        rnd = life.node.round
+        old = life.membership.members[b].incarnation
+        assert life._awaited_view(b, rnd) == (f"{b}: life {old} in the table, life {old} in the schedule of round "
+                                              f"{rnd}, a starter and leaves at None, not suspected")
+    c.crash(1, at=3.0)
+    c.start(1, at=4.0)  # a new life, which says hello and gets a join round
+    c.run(until=4.05)
+    with life.lock:
+        rnd = life.node.round
+        new, join = life.membership.members[b].incarnation, life.membership.joins[b]
+        assert new != old and join > rnd
+        assert life._awaited_view(b, rnd) == (f"{b}: life {new} in the table, life {old} in the schedule of round "
+                                              f"{rnd}, its latest life joins at {join} and leaves at None, not suspected")
+
+
 def test_a_late_node_joins_receives_a_state_and_trains():
     """Twin of test_late_node_joins_receives_state_and_trains."""
     steps = 600
