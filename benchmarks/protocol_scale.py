@@ -25,8 +25,8 @@ One run per cluster size ``n``:
 - ``crash_ctrl_bytes_per_node_s``, ``crash_tables``: the control bytes each survivor sent
   per second from a crash until every survivor removed it (the worst crash), and the
   whole member tables (``members`` messages that are not deltas) sent over all crashes'
-  windows: anti-entropy while a crash's news spreads (0 since it waits for a difference
-  to outlast the news);
+  windows: anti-entropy while a crash's news spreads (every SWIM message between two
+  survivors whose digests differ is answered with one);
 - ``join_s``: a node started late, seeded with node 0: seconds until its first step;
 - ``false_deaths``: removals of a node that never crashed, summed over all nodes' tables
   (their ``member ... removed: silent`` verdicts);

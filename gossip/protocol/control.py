@@ -50,7 +50,6 @@ MAX_PROBED = 64  # members declared dead we keep saying hello to (the most recen
 DELTA_IDS = 256  # members in one delta message (see ControlPlane._delta_messages): about 11 KB
 MAX_MEMBERS = wire.MAX_LIST  # entries in one list of a control message (SWIM remembers as many, SwimOptions.max_members)
 MAX_AGREE_BYTES = MAX_MEMBERS // 8  # an agreement bitmap: a bit per member, as many as a member list holds
-MAX_DIFFERING = 64  # member digests other than this node's remembered for anti-entropy (see _reconcile)
 BACKOFF_MAX = 8.0  # seconds between hellos to a seed that does not answer or a member declared dead, at most
 
 
@@ -254,11 +253,6 @@ class ControlPlane:
         self._pace = (-math.inf, 0)  # (when, round) this node's pace was last measured from
         self._paces: deque[float] = deque(maxlen=PACE_WINDOWS)  # rounds a second, one a second
         self._digest = ""  # the member digest the detector's messages carry (set before each call to it)
-        # anti-entropy (see _reconcile): each member digest other than this node's seen since
-        # this node's last changed, with when it was first seen; when the last table went
-        self._differing: dict[str, float] = {}
-        self._differing_from = ""
-        self._reconciled_at = -math.inf
         self._seq = itertools.count(1)  # numbers this process's control messages (next() is atomic)
         self._rng = random.Random(f"spread|{node_id}|{incarnation}")  # whom a change is told to (see _spread)
         self.detector: FailureDetector = make_detector(detector, membership, timing, self._frame)
@@ -555,38 +549,9 @@ class ControlPlane:
             fx.broadcasts += self._delta_messages(before)
         elif new_member:  # news to this node: passed on as an epidemic
             self._news(fx, before, now, at_once=firsthand)
-        elif msg.kind == "ping" and f.digest is not None:
-            self._reconcile(peer, f.digest, now, fx)
+        elif msg.kind == "ping" and f.digest is not None and f.digest != self.m.digest():
+            fx.sends.append((peer, self._members_message()))  # anti-entropy: it sees a different member set
         return fx
-
-    def _reconcile(self, peer: str, digest: str, now: float, fx: Effects) -> None:
-        """Anti-entropy: ``peer`` reports member digest ``digest``. A digest other than
-        this node's gets this node's whole table, so that a member that missed some news
-        learns it, at most one table a probe period. In a running cluster only a
-        difference older than news takes to spread (:meth:`Timing.reconcile_after`: the
-        digest reported for that long, this node's own unchanged all the while): while
-        news spreads (a crash, a join), members differ for a few periods, and each
-        probe between two of them carried a whole table (176 KB at 4,096 members) where
-        the deltas and SWIM's news were about to settle it anyway."""
-        with self.lock:
-            mine = self.m.digest()
-            if digest == mine:
-                return
-            if self.m.started:  # (before, whole tables are how a forming cluster agrees quickly)
-                if mine != self._differing_from:  # (this node's table changed: every difference is news again)
-                    self._differing, self._differing_from = {}, mine
-                seen = self._differing.get(digest)
-                if seen is None:
-                    if len(self._differing) >= MAX_DIFFERING:
-                        del self._differing[next(iter(self._differing))]
-                    self._differing[digest] = now
-                    return
-                if now - seen < self.timing.reconcile_after(len(self.m.members)):
-                    return
-            if now - self._reconciled_at < self.timing.heartbeat:
-                return
-            self._reconciled_at = now
-        fx.sends.append((peer, self._members_message()))
 
     def _on_swim(self, msg: Message, now: float) -> Effects:
         """A failure detector's own message (SWIM): every field checked first, read as
