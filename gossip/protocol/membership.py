@@ -630,9 +630,16 @@ class Membership:
 
     def start(self, ids: Iterable[str], incarnations: Iterable[int | None] | None = None) -> None:
         """The cluster starts training with members ``ids`` from round 0 (each in the
-        life ``incarnations`` names; default: the one in the member table)."""
+        life ``incarnations`` names; default: the one in the member table). Join and
+        leave entries heard before are dropped: they count the rounds of another
+        cluster (a waiting node takes them from a running cluster's lists; explorer
+        seed 7500022611: a start carried an old cluster's "joins from round 15" of a
+        node crashed for good, and at round 15 all four members of the new cluster
+        waited for it). A start learned from a list applies that list's own entries
+        after it (``ControlPlane._learn_start``)."""
         ids = list(ids)
         incs = list(incarnations) if incarnations is not None else [self.life_of(i) for i in ids]
+        self.joins, self.leaves, self.former, self.lives, self.early_leaves = {}, {}, {}, {}, {}
         self.base = set(ids)
         self.started = True
         for mid, inc in zip(ids, incs):

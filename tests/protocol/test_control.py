@@ -692,3 +692,27 @@ def test_a_joiners_jump_to_its_donors_round_is_not_taken_for_its_pace():
         a.round += 10  # 40 rounds a second
     assert 30.0 <= a.m.rate <= 50.0, a.m.rate
     assert a.m.announce_margin(a.m.timing.join_margin) < 100
+
+
+def test_a_start_drops_the_join_and_leave_entries_heard_before_it():
+    """(explorer seed 7500022611, --churn) A waiting node takes a running cluster's join
+    entries from its lists; the cluster it then starts, or learns the start of, counts
+    rounds from 0 afresh. A start kept them: the four members of a new cluster each
+    counted, from round 15, a node that an old cluster had scheduled to join at its
+    round 15 and that had crashed for good, and waited for it."""
+    a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    p = Plane(a)
+    # a delta of an old cluster: c joins at its round 15, b's life 1 leaves at its round 9
+    p.receive("members", b, status="training", rnd=12, mids=[a, b, c], mincs=[1, 1, 1], delta=True,
+              jids=[c], jrounds=[15], jincs=[1], lids=[b], lrounds=[9], lincs=[1])
+    assert p.m.joins == {c: 15} and not p.m.started
+    # b (a new life of its own now) starts a cluster with a; its list names no join
+    p.receive("members", b, inc=2, status="training", rnd=0, mids=[a, b], mincs=[1, 2], base=[a, b], bincs=[1, 2])
+    assert p.m.started and p.m.base == {a, b}
+    assert p.m.joins == {} and p.m.leaves == {} and p.m.at_round(15) == [a, b]
+    # a fresh start of its own drops them too
+    q = Plane(a)
+    q.receive("members", b, status="training", rnd=12, mids=[a, b, c], mincs=[1, 1, 1], delta=True,
+              jids=[c], jrounds=[15], jincs=[1])
+    q.m.start([a, b])
+    assert q.m.joins == {} and q.m.at_round(15) == [a, b]

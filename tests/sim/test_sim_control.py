@@ -404,8 +404,9 @@ def test_dense_fault_schedules_that_broke_a_rate_limited_anti_entropy_hold_every
     partition: two member lists at the end), both ``--churn`` with SWIM. Each failed with
     an anti-entropy that answered a differing digest with the whole table only once the
     difference had lasted ``2 + ceil(log2 n)`` probe periods, its own table unchanged
-    meanwhile (849adff, reverted; not traced yet: a fanout of 1 or 2 leaves more to
-    anti-entropy). Any rate limit of that exchange must keep these."""
+    meanwhile (849adff, reverted). In 7500022611 the limit only changed the timing: a
+    start kept a join entry heard before it from the old cluster (benchmarks/RESULTS.md,
+    "A rate limit for anti-entropy"). Any rate limit of that exchange must keep these."""
     from gossip.sim import explore
 
     s = explore.draw_churn(seed)
