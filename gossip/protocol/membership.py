@@ -568,8 +568,7 @@ class Membership:
         me = self.members[self.self_id]
         me.incarnation, me.status = incarnation, "waiting"
         self.training = False
-        self.base, self.joins, self.leaves, self.former = set(), {}, {}, {}
-        self.lives, self.early_leaves = {}, {}
+        self._forget_schedule()
         self.started = False
         self.spent = False
         self.suspects = {}
@@ -639,13 +638,18 @@ class Membership:
         after it (``ControlPlane._learn_start``)."""
         ids = list(ids)
         incs = list(incarnations) if incarnations is not None else [self.life_of(i) for i in ids]
-        self.joins, self.leaves, self.former, self.lives, self.early_leaves = {}, {}, {}, {}, {}
+        self._forget_schedule()
         self.base = set(ids)
         self.started = True
         for mid, inc in zip(ids, incs):
             if inc is not None:
                 self.lives[mid] = inc
         self._changed(*ids)
+
+    def _forget_schedule(self) -> None:
+        """No starters, joins, leaves or lives (a new life, or a start that counts rounds afresh)."""
+        self.base, self.joins, self.leaves, self.former = set(), {}, {}, {}
+        self.lives, self.early_leaves = {}, {}
 
     def fill_lives(self, entries: Iterable[tuple[str, int]]) -> bool:
         """Record the lives a member list names for scheduled members whose life this
