@@ -84,14 +84,18 @@ class Joining:
                     # a cluster started afresh counting this life as a starter (it settled
                     # while we waited to join): nobody schedules a join; start with a member's state
                     return 0
-                if m.target and not any(t in m.members for t in m.target):
-                    # every member of the cluster it set out to join died meanwhile (a merge
-                    # takes only the members the two views do not share, maybe one). Those it
-                    # still knows may train on (one counted in both views, say): ask them,
-                    # and take the lists of whichever schedules the join
-                    log.warning("%s: every member of the cluster it joins (%s) is gone; asking the members "
-                                "it still knows", life.id, ", ".join(sorted(m.target)))
-                    m.target.clear()
+                if m.target_gone():
+                    # every member of the cluster it set out to join died or began a new life
+                    # meanwhile (a merge takes only the members the two views do not share, maybe
+                    # one; two clusters that met may each send the other's members to join
+                    # it). The schedule taken from them counts rounds nobody trains: wait as a
+                    # restarted process does, and take the lists of whichever member schedules
+                    # the join (explorer seed 7502022658: a node asked the new lives of its
+                    # target, which trained elsewhere and took its stale lists for another
+                    # cluster's, until the run ended)
+                    log.warning("%s: every member of the cluster it joins (%s) is gone or began a new life; "
+                                "asking the members it still knows", life.id, ", ".join(sorted(m.target)))
+                    m.leave_target()
                 others = m.others()
                 if m.target:  # joining another cluster: ask only its members
                     others = [o for o in others if o in m.target]

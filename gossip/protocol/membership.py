@@ -162,8 +162,9 @@ class Membership:
     # Only a training node's death verdicts become leave rounds, see remove().
     training: bool = False
     # the members of the cluster this node joins as a new life (see new_life): until it
-    # trains there, only their lists are taken
+    # trains there, only their lists are taken; and the life each had then
     target: set[str] = field(default_factory=set)
+    target_lives: dict[str, int] = field(default_factory=dict)
     # when this node's current life began (see new_life): evidence from before it
     # describes a cluster this life may not be joining
     life_began: float = -math.inf
@@ -573,7 +574,37 @@ class Membership:
         self.spent = False
         self.suspects = {}
         self.target = set(target) - {self.self_id}
+        self.target_lives = {t: self.members[t].incarnation for t in self.target if t in self.members}
         self.touched = {}  # (the changes it spreads are those of this life's table)
+        self._changed(self.self_id)
+
+    def target_gone(self) -> bool:
+        """Whether the cluster this new life set out to join is gone: every member of
+        :attr:`target` died or began a new life of its own since. Those new lives went
+        wherever their own verdicts sent them; the schedule taken from the target (maybe
+        while its members still trained there) counts rounds that nobody trains.
+
+        >>> m = Membership("a", 1, "f")
+        >>> _ = m.heard("b", 1, 0.0), m.heard("c", 1, 0.0)
+        >>> m.new_life(2, target=["b", "c"])
+        >>> _ = m.heard("b", 5, 1.0)
+        >>> m.target_gone()
+        False
+        >>> _ = m.heard("c", 6, 1.0)
+        >>> m.target_gone()
+        True
+        """
+        return bool(self.target) and all(
+            t not in self.members or self.members[t].incarnation != self.target_lives.get(t, self.members[t].incarnation)
+            for t in self.target)
+
+    def leave_target(self) -> None:
+        """Stop joining :attr:`target` (it is gone, see :meth:`target_gone`): this life
+        waits as a restarted process does, knowing who is alive but no schedule, and
+        takes the lists of whichever training member schedules its join."""
+        self.target, self.target_lives = set(), {}
+        self._forget_schedule()
+        self.started = False
         self._changed(self.self_id)
 
     def finished(self, ids: Iterable[str]) -> bool:

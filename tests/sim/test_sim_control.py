@@ -413,6 +413,22 @@ def test_dense_fault_schedules_that_broke_a_rate_limited_anti_entropy_hold_every
     assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
 
 
+def test_a_new_life_whose_target_cluster_dissolved_joins_the_cluster_that_trains(tmp_path):
+    """Seed 7502022658 (``--churn``, 10 nodes): a partition [0,1,2,4,7] / [3,5,6,8,9] healed
+    at 8 s, and the two sides' views had drifted apart, so node 0 judged the cluster of
+    5, 6, 7, 8 the stronger while they judged node 0's the stronger: each joined the other
+    as a new life. They trained in the merged cluster of nine; node 0 kept asking them
+    with lists it had taken from them before they left, which named a cluster they are
+    not in, so they took it for another cluster's joiner and never scheduled its join. It
+    trained alone once they finished. A new life whose whole target died or began new
+    lives now waits as a restarted process does (Membership.leave_target)."""
+    from gossip.sim import explore
+
+    s = explore.draw_churn(7502022658)
+    assert ("partition", [0, 1, 2, 4, 7], [3, 5, 6, 8, 9], 8.0) in [f[1:] for f in s.faults]
+    assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
+
+
 @pytest.mark.parametrize("detector", ["heartbeat", "swim"])
 def test_a_restart_just_before_the_end_joins_or_says_why(detector, tmp_path):
     """Seed 303001020 (found at 87be879, a death's leave then `dead_after` of rounds ahead):
