@@ -50,6 +50,7 @@ MAX_PROBED = 64  # members declared dead we keep saying hello to (the most recen
 DELTA_IDS = 256  # members in one delta message (see ControlPlane._delta_messages): about 11 KB
 MAX_MEMBERS = wire.MAX_LIST  # entries in one list of a control message (SWIM remembers as many, SwimOptions.max_members)
 MAX_AGREE_BYTES = MAX_MEMBERS // 8  # an agreement bitmap: a bit per member, as many as a member list holds
+MAX_DIFFERING = 64  # digests, and members, whose difference from this node's anti-entropy times (see _reconcile)
 BACKOFF_MAX = 8.0  # seconds between hellos to a seed that does not answer or a member declared dead, at most
 
 
@@ -253,6 +254,10 @@ class ControlPlane:
         self._pace = (-math.inf, 0)  # (when, round) this node's pace was last measured from
         self._paces: deque[float] = deque(maxlen=PACE_WINDOWS)  # rounds a second, one a second
         self._digest = ""  # the member digest the detector's messages carry (set before each call to it)
+        # anti-entropy (see _reconcile): since when each digest other than this node's was
+        # reported, and since when each member's reports have differed from it
+        self._stale_digests: dict[str, float] = {}
+        self._stale_members: dict[str, float] = {}
         self._seq = itertools.count(1)  # numbers this process's control messages (next() is atomic)
         self._rng = random.Random(f"spread|{node_id}|{incarnation}")  # whom a change is told to (see _spread)
         self.detector: FailureDetector = make_detector(detector, membership, timing, self._frame)
@@ -549,9 +554,42 @@ class ControlPlane:
             fx.broadcasts += self._delta_messages(before)
         elif new_member:  # news to this node: passed on as an epidemic
             self._news(fx, before, now, at_once=firsthand)
-        elif msg.kind == "ping" and f.digest is not None and f.digest != self.m.digest():
-            fx.sends.append((peer, self._members_message()))  # anti-entropy: it sees a different member set
+        elif msg.kind == "ping" and f.digest is not None:
+            self._reconcile(peer, f.digest, now, fx)
         return fx
+
+    def _reconcile(self, peer: str, digest: str, now: float, fx: Effects) -> None:
+        """Anti-entropy: ``peer`` reports member digest ``digest``. One other than this
+        node's gets this node's whole table, so that a member that missed some news
+        learns it. Before a start at once: tables are how a forming cluster agrees. In
+        a running cluster, only once the difference has lasted
+        :meth:`Timing.reconcile_after`: that digest reported to this node for that long,
+        or every report of ``peer``'s differing for that long. While news spreads (a
+        crash, a join) members differ for a few probe periods and the deltas and SWIM's
+        news settle it; each probe between two of them carried a whole table (176 KB at
+        4,096 members), and the tables, not the news, made a crash dear. Each clock
+        restarts with the table it sent: at most one table a wait for each digest. A
+        member behind for good is still answered under churn, when every change makes
+        its digest another (the member clock), and at once when its digest is an old
+        one other members showed too (the digest clock)."""
+        with self.lock:
+            if digest == self.m.digest():
+                self._stale_members.pop(peer, None)
+                return
+            if self.m.started:
+                wait = self.timing.reconcile_after(len(self.m.members))
+                clocks = [(self._stale_digests, digest), (self._stale_members, peer)]
+                for clock, key in clocks:
+                    if key not in clock:
+                        if len(clock) >= MAX_DIFFERING:  # (the oldest goes)
+                            del clock[next(iter(clock))]
+                        clock[key] = now
+                if all(now - clock[key] < wait for clock, key in clocks):
+                    return
+                for clock, key in clocks:
+                    clock.pop(key)
+                    clock[key] = now
+        fx.sends.append((peer, self._members_message()))
 
     def _on_swim(self, msg: Message, now: float) -> Effects:
         """A failure detector's own message (SWIM): every field checked first, read as
@@ -921,6 +959,7 @@ class ControlPlane:
         self.incarnation = incarnation
         self.excluded_by = {}
         self._unspread = None  # (the old life's news: its table is gone)
+        self._stale_digests, self._stale_members = {}, {}
         self.detector.new_life(incarnation)  # each life's detector starts afresh
 
     def hello_all(self, peers: list[str]) -> Effects:

@@ -142,6 +142,19 @@ class Timing:
         k = self.fanout or 3 + math.ceil(math.log2(max(n, 1)))
         return max(0, min(n - 1, k))
 
+    def reconcile_after(self, n: int) -> float:
+        """How long a difference of member digests must last before a member of a
+        running cluster of ``n`` answers it with its whole member table (anti-entropy,
+        see ``ControlPlane._reconcile``): ``2 + ceil(log2 n)`` probe periods, longer
+        than news takes to reach every member as deltas (``log n`` hops of a tick, see
+        :meth:`spread`) or in SWIM's messages, so that members that differ only while a
+        change spreads exchange no table.
+
+        >>> [Timing().reconcile_after(n) for n in (2, 16, 1024, 4096)]
+        [1.5, 3.0, 6.0, 7.0]
+        """
+        return self.heartbeat * (2 + math.ceil(math.log2(max(n, 1))))
+
     @property
     def stall(self) -> float:
         """A gap between two of a node's own ticks longer than this means the node itself did

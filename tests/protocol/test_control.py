@@ -716,3 +716,52 @@ def test_a_start_drops_the_join_and_leave_entries_heard_before_it():
               jids=[c], jrounds=[15], jincs=[1])
     q.m.start([a, b])
     assert q.m.joins == {} and q.m.at_round(15) == [a, b]
+
+
+def test_a_differing_digest_gets_the_whole_table_only_once_the_difference_outlasts_the_news():
+    """Anti-entropy in a running cluster: while news spreads, members differ for a few
+    probe periods and the deltas settle it. Only a difference that lasts
+    :meth:`Timing.reconcile_after` gets the whole table: the same digest reported for
+    that long (by anyone), or one member's every report differing for that long (under
+    churn its digest is another at each change). Before, every message with another
+    digest got one: 176 KB each at 4,096 members, for every probe during a crash."""
+    a, b, c = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+    p = Plane(a, status="training", rnd=100)
+    for x in (b, c):
+        p.m.heard(x, 1, 0.0, status="training", round=100)
+    p.m.start([a, b, c])
+    wait, hb = p.m.timing.reconcile_after(3), p.m.timing.heartbeat
+    assert wait == 4 * hb
+
+    def tables_at(t: float, sender: str, digest: str) -> list[str]:
+        p.sent.clear()
+        p.cp.now = t
+        p.receive("ping", sender, status="training", rnd=100, digest=digest)
+        return [d for d, m in p.sent if m.kind == "members" and not m.extra.get("delta")]
+
+    def other(k: int) -> str:  # a member set a does not see
+        return f"{k:016x}|" + p.m.schedule_digest()
+
+    assert tables_at(10.0, b, other(1)) == []  # news that may still be spreading
+    assert tables_at(10.0 + wait - 0.01, b, other(1)) == []
+    assert tables_at(10.0 + wait, b, other(1)) == [b]  # it lasted: b missed something
+    # each clock restarts with the table: c shows the same digest a probe period later
+    assert tables_at(10.0 + wait + hb, c, other(1)) == []
+    # (and once it has lasted again, c gets one too)
+    assert tables_at(10.0 + 2 * wait, c, other(1)) == [c]
+    # a member whose digest is another at every report (churn) but never a's own
+    t = 30.0
+    assert tables_at(t - 1, b, p.m.digest()) == []  # (b agreed with a in between)
+    assert tables_at(t, b, other(2)) == [] and tables_at(t + wait / 2, b, other(3)) == []
+    assert tables_at(t + wait, b, other(4)) == [b]
+    # a report that matches restarts that member's clock
+    t = 50.0
+    assert tables_at(t - 1, c, p.m.digest()) == []
+    assert tables_at(t, c, other(5)) == [] and tables_at(t + wait / 2, c, p.m.digest()) == []
+    assert tables_at(t + wait, c, other(6)) == []
+    # before the start, whole tables are how a forming cluster agrees: at once
+    q = Plane("10.0.0.4:1")
+    q.m.heard(b, 1, 0.0)
+    q.cp.now = 5.0
+    q.receive("ping", b, digest=other(7))
+    assert [d for d, m in q.sent if m.kind == "members" and not m.extra.get("delta")] == [b]

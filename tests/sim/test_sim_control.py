@@ -89,6 +89,39 @@ def test_killing_two_of_eight_costs_only_their_work():
         assert r["max_step_gap_s"] < FAST["timing"].dead_after + 1.5, r
 
 
+def test_a_crash_costs_no_whole_member_table_while_its_news_spreads():
+    """16 members at gossip-node's timings: while the survivors learn of a crash, their
+    digests differ for a few probe periods. The deltas and SWIM's news settle that;
+    before, every probe between two members that differed carried a whole table (34
+    here, 176 KB each at 4,096 members). A table still repairs a difference that lasts
+    (tests/protocol/test_control.py)."""
+    from gossip.protocol.timing import Timing
+
+    n = 16
+    c = SimCluster(n, steps=10**9, seed=0, step_time=0.1, timing=Timing(), timeout=5.0,
+                   link=LinkModel(latency=1e-3, bandwidth=1e9), peers=lambda i: [(i + 1) % n],
+                   task="synthetic:dim=4,classes=2,samples=128,test_samples=16,hidden=4,batch_size=4")
+    tables: list[float] = []
+    send = c._send
+
+    def counting(p, dst, msg, droppable):
+        if msg.kind == "members" and not msg.extra.get("delta"):
+            tables.append(c.now)
+        send(p, dst, msg, droppable)
+
+    c._send = counting
+    c.run(until=10.0)
+    assert all(p.life.membership.started for p in c.procs)
+    c.crash(n // 2, at=10.0)
+    tables.clear()
+    c.run(until=20.0)
+    gone = node_id(n // 2)
+    survivors = [p for p in c.procs if p.index != n // 2]
+    assert all(gone not in p.life.membership.members for p in survivors)
+    assert len({p.life.membership.digest() for p in survivors}) == 1
+    assert tables == []
+
+
 def test_a_restarted_node_starts_at_the_earliest_join_round_its_members_announced(tmp_path):
     """Under churn (5 nodes, about 170 rounds a second, a kill and a restart with
     ``--resume`` every 6 s), the members that a restarted node says hello to each
