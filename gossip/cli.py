@@ -271,7 +271,7 @@ NODE_FLAGS = {
     "device": str, "dc": str, "timeout": float, "heartbeat": float, "dead_after": float, "settle": float,
     "join_timeout": float, "start_hold": float, "join_margin": int, "grace": float, "checkpoint_dir": str, "checkpoint_every": int,
     "resume": bool, "log": str, "eval_every": int, "max_message_mb": float, "json": bool, "gamma": (float, str),
-    "threads": int, "emulate": list, "curve_keys": str, "peers_file": str, "slurm": bool, "slurm_port": int,
+    "threads": int, "emulate": list, "emulate_origin": float, "curve_keys": str, "peers_file": str, "slurm": bool, "slurm_port": int,
     "progress": bool, "tensorboard": str, "clip": (float, str), "asynchronous": bool, "staleness": str, "overlap": bool, "link_policy": list,
     "outer": str, "detector": str, "wait_for_suspects": bool, "nproc_per_node": int, "intra": str, "max_restarts": int, "as_group": int,
 }
@@ -339,7 +339,11 @@ def build_node_parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate", action="append", default=None, metavar="CLASS:SPEC",
                    help="emulate slow links on one machine (off by default): CLASS intra, inter or all, SPEC as "
                         "--link in gossip-sim, e.g. inter:latency=50ms,bandwidth=100Mbit,loss=0.01; "
-                        "inter:down=10s-30s cuts the datacenters apart from 10 to 30 s after start; repeatable")
+                        "inter:down=10s-30s cuts the datacenters apart from 10 to 30 s after start (down= may "
+                        "repeat: several outages); repeatable")
+    p.add_argument("--emulate-origin", type=float, default=None, metavar="UNIX_S",
+                   help="count --emulate's down windows from this UNIX time (seconds) instead of this node's start: "
+                        "nodes started at different moments then cut their links at the same moment")
     p.add_argument("--curve-keys", metavar="DIR",
                    help="encrypt and authenticate with CurveZMQ: DIR/node.key_secret is this node's key pair, "
                         "DIR/allowed/*.key the public keys of the nodes allowed in (make them with gossip-keys)")
@@ -453,7 +457,8 @@ def node_config_from_args(argv: Sequence[str] | None) -> tuple[Any, argparse.Nam
                      checkpoint_dir=merged.get("checkpoint_dir"), checkpoint_every=merged["checkpoint_every"],
                      resume=bool(merged.get("resume")), log=merged.get("log"), eval_every=merged["eval_every"],
                      max_message_mb=merged["max_message_mb"], curve_keys=merged.get("curve_keys"),
-                     emulate=tuple(merged.get("emulate") or ()), tensorboard=merged.get("tensorboard"),
+                     emulate=tuple(merged.get("emulate") or ()), emulate_origin=merged.get("emulate_origin"),
+                     tensorboard=merged.get("tensorboard"),
                      detector=merged["detector"], wait_for_suspects=bool(merged.get("wait_for_suspects")))
     if cfg.tensorboard:
         from gossip.peer.tensorboard_log import require_tensorboard

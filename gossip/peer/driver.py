@@ -42,7 +42,7 @@ from gossip.training.node import Node, init_model, resolve_device
 from gossip.training.tasks import get_task
 from gossip.transport import wire
 from gossip.transport.addresses import parse_address
-from gossip.transport.links import SimNetwork, emulated_links
+from gossip.transport.links import SimNetwork, emulated_links, emulation_origin
 from gossip.transport.security import load_curve
 from gossip.transport.zmq import ZmqTransport
 
@@ -117,8 +117,9 @@ class Peer:
         self.life.handover_limit = int(cap) - 2**17  # (the header and framing)
         listen = "tcp://" + parse_address(config.listen, "--listen")
         links = emulated_links(config.emulate)
-        self.shaper = None if links is None else SimNetwork(links, self._link_class, seed=config.seed,
-                                                             origin=self.t0, cache_classes=False)
+        self.shaper = None if links is None else SimNetwork(
+            links, self._link_class, seed=config.seed, origin=emulation_origin(config.emulate_origin, self.t0),
+            cache_classes=False)
         # CurveZMQ: a bad key directory is a ValueError naming what is wrong (gossip-node exits 2)
         self.security = load_curve(config.curve_keys, self.id) if config.curve_keys else None
         self.transport = ZmqTransport(self.id, listen, on_frames=self.control.on_frames, on_tick=self._tick,

@@ -38,7 +38,7 @@ from gossip.protocol.group import GroupLink, ShardFollower, ShardModule
 from gossip.protocol.ranks import GroupFollow, GroupLead, Start
 from gossip.transport import wire
 from gossip.transport.addresses import parse_address
-from gossip.transport.links import SimNetwork, emulated_links
+from gossip.transport.links import SimNetwork, emulated_links, emulation_origin
 from gossip.transport.security import load_curve
 from gossip.transport.zmq import ZmqTransport
 
@@ -165,8 +165,9 @@ class GroupFollower:
         shard_bytes = shard.numel() * shard.element_size()
         host = parse_address(cfg.listen, "--listen").rpartition(":")[0]
         links = emulated_links(cfg.emulate)  # the same emulated links as rank 0's, from the same start
-        self.shaper = None if links is None else SimNetwork(links, self._link_class, seed=cfg.seed + rank,
-                                                             origin=self.t0, cache_classes=False)
+        self.shaper = None if links is None else SimNetwork(
+            links, self._link_class, seed=cfg.seed + rank, origin=emulation_origin(cfg.emulate_origin, self.t0),
+            cache_classes=False)
         # CurveZMQ: this rank's own key pair (gossip-keys for every rank's address)
         self.security = load_curve(cfg.curve_keys, self.id) if cfg.curve_keys else None
         self.transport = ZmqTransport(self.id, f"tcp://{host}:{self.id.rpartition(':')[2]}",
@@ -233,7 +234,7 @@ class GroupFollower:
     def _connect(self, addresses: list[str]) -> None:
         """A fresh connection and a hello to each address (one that kept retrying an earlier
         life may reconnect only seconds later)."""
-        if self.shaper is not None and self.follow.group_origin is not None:
+        if self.shaper is not None and self.follow.group_origin is not None and self.cfg.emulate_origin is None:
             self.shaper.origin = self.follow.group_origin  # the member's emulated links count from rank 0's start
         hello = Message("hello", self.id, 0, 0, 0, None, None, {"group": self.cfg.node_id, "rank": self.rank},
                         self.follower.fingerprint)

@@ -53,6 +53,7 @@ class PeerConfig:
     eval_every: int = 0                  # local steps between evaluations in the metrics log (0: steps/10)
     max_message_mb: float = 0.0          # incoming size cap in MiB (0: three models (+ outer momenta) + 1 MiB)
     emulate: tuple[str, ...] = ()        # link emulation: "CLASS:latency=50ms,bandwidth=100Mbit,loss=0,drop=N"
+    emulate_origin: float | None = None  # UNIX seconds the emulated down windows count from (None: the node's start)
     curve_keys: str | None = None        # CurveZMQ key directory (see gossip.transport.security); None: no encryption
     tensorboard: str | None = None       # TensorBoard directory: scalars of the metrics in DIR/<node id>/
     detector: str = DEFAULT_DETECTOR     # failure detector: heartbeat (all-to-all pings) or swim (gossip.protocol.swim_detector)
@@ -90,6 +91,14 @@ class PeerConfig:
         if not isinstance(self.dc, str) or len(self.dc) > 64:
             raise ValueError("dc must be a short string")
         emulated_links(self.emulate)  # fails early on a bad spec
+        if self.emulate_origin is not None:
+            if isinstance(self.emulate_origin, bool) or not isinstance(self.emulate_origin, (int, float)) \
+                    or not (math.isfinite(self.emulate_origin) and self.emulate_origin >= 0):
+                raise ValueError(f"--emulate-origin must be a time in UNIX seconds (a number >= 0), got "
+                                 f"{self.emulate_origin!r}")
+            if not self.emulate:
+                raise ValueError("--emulate-origin needs --emulate (it says when the emulated links' down windows "
+                                 "count from)")
         if self.detector not in DETECTORS:
             raise ValueError(f"detector must be one of {', '.join(DETECTORS)}, got {self.detector!r}")
         from gossip.training.data import parse_split

@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-__all__ = ["LinkModel", "SimNetwork", "parse_link", "group_link", "emulated_links", "LAN", "WAN", "UNSHAPED"]
+__all__ = ["LinkModel", "SimNetwork", "parse_link", "group_link", "emulated_links", "emulation_origin", "LAN", "WAN",
+           "UNSHAPED"]
 
 _UNITS_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 _UNITS_RATE = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
@@ -36,7 +37,8 @@ class LinkModel:
     drop : if > 0, the ``drop``-th message on each link of this class is lost
         (a deterministic fault for tests: "lose exactly one message here")
     down : ``(start, end)`` seconds: every message on links of this class is lost
-        from ``start`` to ``end`` (an outage: ``inter`` down splits datacenters)
+        from ``start`` to ``end`` (an outage: ``inter`` down splits datacenters);
+        or a tuple of such windows (several outages)
     """
 
     latency: float = 100e-6
@@ -44,7 +46,7 @@ class LinkModel:
     jitter: float = 0.0
     loss: float = 0.0
     drop: int = 0
-    down: tuple[float, float] | None = None
+    down: tuple[float, float] | tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if not (self.latency >= 0 and math.isfinite(self.latency)):
@@ -57,9 +59,31 @@ class LinkModel:
             raise ValueError(f"loss must be a probability in [0, 1), got {self.loss!r}")
         if isinstance(self.drop, bool) or not isinstance(self.drop, int) or self.drop < 0:
             raise ValueError(f"drop must be a non-negative integer (the N-th message), got {self.drop!r}")
-        if self.down is not None and not (len(self.down) == 2 and 0 <= self.down[0] < self.down[1]
-                                          and math.isfinite(self.down[1])):
-            raise ValueError(f"down must be a window START-END in seconds with 0 <= START < END, got {self.down!r}")
+        try:
+            windows = self.windows
+            ok = all(len(w) == 2 and 0 <= w[0] < w[1] and math.isfinite(w[1]) for w in windows)
+        except TypeError:
+            ok = False
+        if not ok or (self.down is not None and not windows):
+            raise ValueError(f"down must be a window START-END in seconds with 0 <= START < END (or a tuple of "
+                             f"such windows), got {self.down!r}")
+
+    @property
+    def windows(self) -> tuple[tuple[float, float], ...]:
+        """The outages ``down`` names, as a tuple of ``(start, end)`` windows.
+
+        >>> LinkModel(down=(1.0, 2.0)).windows, LinkModel(down=((1.0, 2.0), (5.0, 6.0))).is_down(5.5)
+        (((1.0, 2.0),), True)
+        """
+        if self.down is None:
+            return ()
+        if len(self.down) == 2 and not isinstance(self.down[0], tuple):
+            return (self.down,)  # type: ignore[return-value]
+        return tuple(self.down)  # type: ignore[arg-type]
+
+    def is_down(self, t: float) -> bool:
+        """Whether ``t`` seconds after the origin falls in an outage."""
+        return any(a <= t < b for a, b in self.windows)
 
     def transfer_time(self, nbytes: int) -> float:
         """Seconds for ``nbytes`` to leave the sender on an idle link."""
@@ -88,7 +112,8 @@ def _parse_quantity(key: str, text: str, units: dict[str, float]) -> float:
 
 def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel:
     """Parse ``latency=50ms,bandwidth=100Mbit,jitter=1ms,loss=0.01,drop=N,down=10s-30s``
-    (or ``lan`` / ``wan``), and ``streams=K``.
+    (or ``lan`` / ``wan``), and ``streams=K``. ``down`` may be given more than once:
+    each is an outage (``down=10s-30s,down=50s-60s``).
 
     Unspecified fields keep ``base``'s values. Times take s/ms/us, rates
     bit/kbit/Mbit/Gbit (per second). ``streams=K`` models nodes that are groups of
@@ -101,6 +126,8 @@ def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel
 
     >>> parse_link("latency=50ms,down=10-30s").down
     (10.0, 30.0)
+    >>> parse_link("down=10-30s,down=50s-60s").down
+    ((10.0, 30.0), (50.0, 60.0))
     """
     if spec is None:
         return base
@@ -114,6 +141,7 @@ def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel
     fields: dict[str, Any] = {"latency": base.latency, "bandwidth": base.bandwidth, "jitter": base.jitter,
                               "loss": base.loss, "drop": base.drop, "down": base.down}
     streams = 1
+    downs: list[tuple[float, float]] = []
     for item in s.split(","):
         key, eq, value = item.partition("=")
         key = key.strip()
@@ -131,7 +159,8 @@ def parse_link(spec: str | LinkModel | None, base: LinkModel = LAN) -> LinkModel
             m = re.fullmatch(r"\s*[0-9.e+]+\s*([a-z]*)\s*", end)
             if m and re.fullmatch(r"\s*[0-9.e+]+\s*", start):
                 start += m.group(1)  # "10-30s": the end's unit is the start's too
-            fields[key] = (_parse_quantity(key, start, _UNITS_TIME), _parse_quantity(key, end, _UNITS_TIME))
+            downs.append((_parse_quantity(key, start, _UNITS_TIME), _parse_quantity(key, end, _UNITS_TIME)))
+            fields[key] = downs[0] if len(downs) == 1 else tuple(downs)
         elif key == "streams":
             try:
                 streams = int(value)
@@ -234,7 +263,7 @@ class SimNetwork:
         if model.drop and droppable:
             self._sent_on[pair] += 1
             dropped = self._sent_on[pair] == model.drop
-        down = model.down is not None and model.down[0] <= now - self.origin < model.down[1]
+        down = model.down is not None and model.is_down(now - self.origin)
         if dropped or down or not self.reachable(u, v) or (model.loss and self.rng.random() < model.loss):
             self.lost += 1
             return None
@@ -262,3 +291,23 @@ def emulated_links(specs: tuple[str, ...] | list[str]) -> dict[str, LinkModel] |
         for c in (("intra", "inter") if cls == "all" else (cls,)):
             links[c] = model
     return links
+
+
+def emulation_origin(unix_time: float | None, start: float, *, now: float | None = None,
+                     wall: float | None = None) -> float:
+    """The time on this process's monotonic clock that ``--emulate``'s ``down`` windows
+    count from: ``start`` (the node's own start), or the moment ``unix_time`` (UNIX
+    seconds, ``--emulate-origin``) names, so that nodes started at different moments
+    cut their links at the same moment (a partition of the whole cluster).
+    ``now``/``wall`` are the monotonic and UNIX clocks read together (default: read now).
+
+    >>> emulation_origin(None, 7.0), emulation_origin(1000.0, 7.0, now=50.0, wall=1010.0)
+    (7.0, 40.0)
+    """
+    if unix_time is None:
+        return start
+    if now is None or wall is None:
+        import time
+
+        now, wall = time.monotonic(), time.time()
+    return now - (wall - unix_time)
