@@ -137,6 +137,7 @@ class Lifecycle:
         self.timed_out_rounds = 0  # synchronous rounds that waited --timeout in vain
         self.skipped_rounds = 0  # synchronous rounds that went on without a suspected neighbour (see gone)
         self.late = 0  # of which in a row (reset by a round that completed)
+        self.beyond: set[str] = set()  # neighbours whose messages of the awaited rounds cannot come (see _beyond)
         self.node_rejected: Counter[str] = Counter()
         self.topologies: dict[tuple, Any] = {}
         self.dcs: dict[str, str] = {}  # datacenter label of every member we trained with (bytes by link class)
@@ -583,7 +584,7 @@ class Lifecycle:
                 return now
             with self.lock:
                 awaited = node.awaited()
-                if all(self.gone(e, node.round) for e in awaited):
+                if all(self.gone(e, node.round) or self._beyond(e) for e in awaited):
                     # mix without the dead and the suspects; a live neighbour's message is worth its wait
                     if any(e in self.membership.members and self.membership.trains_in(e, node.round)
                            for e in awaited):
@@ -616,6 +617,23 @@ class Lifecycle:
         trains, life = self.membership.life_in(mid, rnd)
         return m is None or not trains or (life is not None and m.incarnation != life) \
             or (not self.cfg.wait_for_suspects and self.control.detector.suspected(mid) and self._silent(m))
+
+    def _beyond(self, mid: str) -> bool:
+        """Whether ``mid``'s message of the round this node waits in cannot come, however
+        long it waits (``node.out_of_reach``: a whole inbox of rounds apart, after a
+        stopped process came back, say). Logged when a neighbour first is."""
+        node = self.node
+        assert node is not None
+        why = node.out_of_reach(mid)
+        if why is None:
+            self.beyond.discard(mid)
+            return False
+        if mid not in self.beyond:
+            self.beyond.add(mid)
+            log.info("%s: round %d goes on without %s: it is %s by an inbox or more (its latest round %s), and "
+                     "its message of this round cannot come", self.id, node.round, mid, why,
+                     node.newest_round.get(mid, "unknown"))
+        return True
 
     def _silent(self, m: Any) -> bool:
         """Whether nothing came from member record ``m`` for :data:`SILENT_GAPS` times its

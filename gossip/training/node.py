@@ -244,6 +244,7 @@ class Node:
         self.recoveries = 0
         self._good: torch.Tensor | None = self.state.snapshot()  # last parameters known to train finitely
         self.last_from: dict[Any, Message] = {}  # member id -> its latest accepted message
+        self.newest_round: dict[Any, int] = {}  # member id -> the latest round it sent (in this life)
         self.last_seq: dict[Any, int] = {}  # member id -> seq of its latest accepted message
         self.mix_totals = MixReport()
         self.now = 0.0
@@ -634,11 +635,38 @@ class Node:
         (self.channels[0] if channel_of is None else channel_of[src]).inbox.add(src, msg)
         self.last_from[msg.sender] = msg
         self.last_seq[msg.sender] = msg.seq
+        self.newest_round[msg.sender] = max(msg.round, self.newest_round.get(msg.sender, msg.round))
         return True
 
     def forget_sender(self, sender: Any) -> None:
         """``sender`` restarted (a new life of the same id): its sequence numbers start again."""
         self.last_seq.pop(sender, None)
+        self.newest_round.pop(sender, None)
+
+    def out_of_reach(self, sender: Any) -> str | None:
+        """Why the round this node waits in will not get ``sender``'s message, whatever the
+        wait: "ahead" when its queue holds a whole inbox (``Inbox.per_sender``) of later
+        rounds and none of this one (that message was evicted, or never sent: messages on
+        a link arrive in order); "behind" when the latest round it sent is a whole inbox or
+        more behind this one (its inbox has lost this node's messages of the rounds
+        between: it runs through them on its own, "ahead" for it, before it is here).
+        None otherwise: a neighbour within an inbox of this round is waited for.
+
+        A stopped process (SIGSTOP for longer than ``--dead-after``) comes back hundreds
+        of rounds behind the neighbours that went on without it: each side waited out
+        ``--timeout`` for the other before (benchmarks/churn.py --mixed)."""
+        if self.waiting is None:
+            return None
+        ch, rnd = self.waiting
+        j = self.index_of.get(sender)
+        if j is None:
+            return None
+        inbox = ch.inbox
+        q = inbox.queues.get(j)
+        if q is not None and len(q) >= inbox.per_sender and not inbox.has_round(j, rnd):
+            return "ahead"
+        last = self.newest_round.get(sender)
+        return "behind" if last is not None and last <= rnd - inbox.per_sender else None
 
     def _check(self, msg: Message) -> str | None:
         if msg.kind != STATE:

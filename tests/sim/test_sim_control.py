@@ -146,6 +146,31 @@ def test_a_restarted_node_starts_at_the_earliest_join_round_its_members_announce
     assert [r["timed_out_rounds"] for r in rs] == [0] * 5, rs
 
 
+def test_a_stopped_process_that_comes_back_far_behind_costs_no_timed_out_round():
+    """5 nodes at about 170 rounds a second; node 2 stopped for 3.5 s (longer than
+    --dead-after 2 s), node 4 for 1 s. The others went on without each (suspected and
+    silent); back, each was hundreds of rounds behind, and no longer suspected: its
+    neighbours waited --timeout (5 s) for its message of their round, and it waited for
+    theirs of its own round, evicted from its inbox meanwhile (2, 2, 2 and 3 timed-out
+    rounds; node 4 then began a new life, out of step, and the run ended at 32.5 virtual
+    s). A neighbour a whole inbox of rounds apart is not waited for
+    (``TrainingNode.out_of_reach``): the one behind runs through its rounds alone, and
+    is waited for again once within an inbox. Found by ``benchmarks/churn.py --mixed``."""
+    from gossip.protocol.timing import Timing
+
+    c = SimCluster(5, steps=3000, seed=1, step_time=0.004, timing=Timing(dead_after=2.0), timeout=5.0,
+                   peers=lambda i: [(i + 1) % 5])
+    c.stall(2, at=4.0, until=7.5)
+    c.stall(4, at=9.0, until=10.0)
+    c.run(until=60.0)
+    rs = c.results()
+    assert [r["exit"] for r in rs] == ["done"] * 5 and [r["steps"] for r in rs] == [3000] * 5, rs
+    assert [r["timed_out_rounds"] for r in rs] == [0] * 5, rs
+    assert [r["members"] for r in rs] == [5] * 5
+    assert rs[4]["rejoins"] == 0  # (within an inbox of its neighbours again, it was never out of step)
+    assert c.now < 25.0
+
+
 def test_a_wait_that_lasts_is_logged_with_the_schedule_s_view_of_the_awaited_member():
     """Rounds that keep timing out for a live neighbour name, for each, the life the
     member table holds, the life the schedule has train in that round, its join and
