@@ -20,7 +20,24 @@ and steps, how each last life started (joined with a neighbour's state or not),
 the members at the end, the rounds that timed out, and the final accuracy
 against the clean run's.
 
-    python benchmarks/churn.py [--restarts 40] [--every 15] [--down 2] [--seed 0]
+    python benchmarks/churn.py [--faults 40] [--every 15] [--down 2] [--seed 0]
+
+``--mixed`` (8 nodes, a fault every 10 s, 60 faults: 10 minutes) draws the faults
+from four kinds (each once in every four, in a seeded order), each proven as it is
+applied or from the node's own log:
+
+- ``kill``: SIGKILL (its exit status) and a start again ``--down`` s later with
+  ``--resume``;
+- ``stop-long``: SIGSTOP for ``--dead-after`` + 1.5 s, then SIGCONT (the kernel's
+  process state ``T`` read while stopped, and the node's own log of its stall);
+- ``stop-short``: SIGSTOP for half of ``--dead-after`` (the state ``T``);
+- ``partition``: the two datacenters (``--dc a`` and ``--dc b``, half the nodes
+  each) cut apart for ``--partition-s`` s by ``--emulate inter:down=...``, every
+  node counting the windows from one ``--emulate-origin`` (the messages each
+  node's emulator dropped, in its summary). The clean run has the same labels and
+  an emulator without outages.
+
+    python benchmarks/churn.py --mixed [--faults 60] [--every 10] [--seed 0]
 
 Ends with one JSON line. ``benchmarks/faults.py`` runs it too (``--churn``).
 """
@@ -44,6 +61,8 @@ from gossip.core.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E
 from tests.cluster import Cluster, NodeProc, free_port  # noqa: E402
 
 FLAGS = ["--topology", "ring", "--task", "synthetic", "--json", "--dead-after", "2", "--checkpoint-every", "200"]
+DEAD_AFTER = 2.0  # (FLAGS' --dead-after)
+KINDS = ("kill", "stop-long", "stop-short", "partition")  # --mixed draws from these
 
 
 def _checkpoint_step(directory: Path) -> int:
@@ -59,6 +78,21 @@ def _checkpoint_step(directory: Path) -> int:
 def _args(ports: list[int], i: int, steps: int, ck: Path, extra: list[str]) -> list[str]:
     return ["--peers", f"127.0.0.1:{ports[(i + 1) % len(ports)]}", "--steps", str(steps), "--checkpoint-dir",
             str(ck / f"n{i}"), *FLAGS, *extra]
+
+
+def _process_state(pid: int) -> str:
+    """The kernel's state letter of process ``pid`` (``T``: stopped), or "" where unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _mixed_flags(i: int, n: int, windows: list[tuple[float, float]], origin: float) -> list[str]:
+    """A node's datacenter label (the first half ``a``, the rest ``b``) and its link
+    emulator: the partition windows, counted from ``origin`` (UNIX seconds)."""
+    spec = ",".join(["latency=0s", *(f"down={a:.3f}s-{b:.3f}s" for a, b in windows)])
+    return ["--dc", "a" if i < n // 2 else "b", "--emulate", f"inter:{spec}", "--emulate-origin", f"{origin:.3f}"]
 
 
 def _cluster_step(ck: Path, n: int) -> int:
@@ -91,37 +125,72 @@ def calibrate(work: Path, n: int, extra: list[str], window: float = 8.0) -> tupl
 
 
 def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts: int = 0, every: float = 15.0,
-        down: float = 2.0, seed: int = 0, timeout: float = 1800.0) -> dict:
-    """One run of ``steps`` steps; with ``restarts``, kill and restart nodes as described above."""
+        down: float = 2.0, seed: int = 0, timeout: float = 1800.0, kinds: list[str] | None = None,
+        mixed: tuple[float, float] | None = None) -> dict:
+    """One run of ``steps`` steps; with ``restarts``, kill and restart nodes as described
+    above; with ``kinds``, one fault of each kind in turn (``--mixed``). ``mixed`` =
+    (lead, partition seconds) labels the nodes' datacenters and emulates their links
+    (without ``kinds``: the clean run's emulator, no outage): fault k comes ``lead + k *
+    every`` seconds after the processes are started, and the partitions' windows are
+    fixed before they start (every node counts them from the same moment)."""
     ports = [free_port() for _ in range(n)]
     ck = work / name
     rng = random.Random(seed)
-    kills: list[dict] = []
+    kinds = list(kinds) if kinds is not None else ["kill"] * restarts
+    kills: list[dict] = []  # every fault applied (the kills, and with --mixed the others)
+    origin = time.time()
+    spawned = time.monotonic()
+    windows: list[tuple[float, float]] = []
+    if mixed is not None:
+        lead, cut = mixed
+        windows = [(lead + k * every, lead + k * every + cut) for k, kind in enumerate(kinds) if kind == "partition"]
+
+    def node_args(i: int, more: list[str]) -> list[str]:
+        flags = _mixed_flags(i, n, windows, origin) if mixed is not None else []
+        return _args(ports, i, steps, ck, [*extra, *flags, *more])
+
     with Cluster(work) as c:
-        current: list[NodeProc] = [c.start(f"{name}{i}.0", _args(ports, i, steps, ck, extra), port=ports[i])
-                                   for i in range(n)]
+        current: list[NodeProc] = [c.start(f"{name}{i}.0", node_args(i, []), port=ports[i]) for i in range(n)]
         for x in current:
             x.wait_for_log("training as", 180)
         started = time.monotonic()
-        next_kill = started + every
-        while len(kills) < restarts and any(x.proc.poll() is None for x in current):
-            time.sleep(max(0.0, min(next_kill - time.monotonic(), 0.5)))
-            if time.monotonic() < next_kill:
-                continue
+        next_kill = spawned + mixed[0] if mixed is not None else started + every
+        lives = 0
+        for kind in kinds:
+            while time.monotonic() < next_kill and any(x.proc.poll() is None for x in current):
+                time.sleep(max(0.0, min(next_kill - time.monotonic(), 0.5)))
+            if not any(x.proc.poll() is None for x in current):
+                break
             i = rng.randrange(n)
             victim = current[i]
             if victim.proc.poll() is not None:  # it finished: the run is ending
                 break
             if _cluster_step(ck, n) >= 0.9 * steps:  # too late to come back: the others finish first
                 break
+            at = round(time.monotonic() - started, 2)
             at_step = _checkpoint_step(ck / f"n{i}")
-            victim.proc.send_signal(signal.SIGKILL)
-            code = victim.proc.wait(30)
-            time.sleep(down)
-            current[i] = c.start(f"{name}{i}.{len(kills) + 1}", _args(ports, i, steps, ck, [*extra, "--resume"]),
-                                 port=ports[i])
-            kills.append({"node": i, "at_s": round(time.monotonic() - started, 2), "checkpoint_step": at_step,
-                          "exit": code})
+            if kind == "kill":
+                victim.proc.send_signal(signal.SIGKILL)
+                code = victim.proc.wait(30)
+                time.sleep(down)
+                lives += 1
+                current[i] = c.start(f"{name}{i}.{lives}", node_args(i, ["--resume"]), port=ports[i])
+                kills.append({"kind": kind, "node": i, "at_s": at, "checkpoint_step": at_step, "exit": code})
+            elif kind in ("stop-long", "stop-short"):
+                hold = DEAD_AFTER + 1.5 if kind == "stop-long" else DEAD_AFTER / 2
+                victim.proc.send_signal(signal.SIGSTOP)
+                t = time.monotonic()
+                state = ""
+                while state != "T" and time.monotonic() - t < 1.0:  # (the signal is delivered at once, or nearly)
+                    state = _process_state(victim.proc.pid)
+                time.sleep(max(0.0, hold - (time.monotonic() - t)))
+                victim.proc.send_signal(signal.SIGCONT)
+                kills.append({"kind": kind, "node": i, "at_s": at, "stopped_s": round(time.monotonic() - t, 2),
+                              "state": state, "life": victim.name})
+            else:  # partition: the emulators cut it at its time; nothing to do here
+                a, b = windows[sum(1 for f in kills if f["kind"] == "partition")]
+                lag = started - spawned  # (the windows count from the launch, ``at_s`` from the start)
+                kills.append({"kind": kind, "at_s": at, "window_s": [round(a - lag, 2), round(b - lag, 2)]})
             next_kill += every
         codes = []
         for x in current:
@@ -136,42 +205,68 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
                 summaries.append(x.summary())
             except AssertionError:
                 summaries.append({"node": x.addr, "steps": None, "error": x.log()[-2000:]})
-        timeouts = sum(log.count("timed out waiting") for log in (x.log() for x in c.nodes))
+        logs = {x.name: x.log() for x in c.nodes}
+        timeouts = sum(log.count("timed out waiting") for log in logs.values())
+        for f in kills:  # a long stop proven by the node's own log (its control plane saw the gap)
+            if f["kind"] == "stop-long":
+                f["logged_stall"] = "this node stalled for" in logs[f["life"]]
     return {"elapsed_s": elapsed, "exit_codes": codes, "kills": kills, "summaries": summaries,
             "timed_out_rounds": timeouts}
 
 
 def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, down: float = 2.0, seed: int = 0,
           tail: float = 20.0, extra: list[str] | None = None, steps: int | None = None,
-          clean_run: bool = True, calibration: tuple[float, float] | None = None) -> dict:
+          clean_run: bool = True, calibration: tuple[float, float] | None = None, mixed: bool = False,
+          partition_s: float = 4.0) -> dict:
     """Calibrate, then a clean and a churn run of the same steps; returns the figures.
     ``steps`` skips the calibration; so does ``calibration``, the (rate, start-up) that
     :func:`calibrate` measured before for the same ``n`` and ``extra`` (the tests measure
     it once for several runs); without ``clean_run`` only the churn run is made
-    (a diagnosis: goodput and the accuracy change are then None)."""
+    (a diagnosis: goodput and the accuracy change are then None). With ``mixed``,
+    ``restarts`` faults drawn from :data:`KINDS` (seeded) instead of kills only."""
     extra = list(extra or [])
     rate = startup = None
+    lead = 0.0  # (--mixed: when the first fault comes, counted from the processes' launch)
     if steps is None:
         rate, startup = calibration if calibration is not None else calibrate(work, n, extra)
         # the churn is measured against the time a node needs to come back: on a slow
         # machine kills are spaced so that a restarted node can train before the next
         # (otherwise every node could be down at once, whatever the protocol does)
         every = max(every, 2.5 * startup)
-        steps = int(rate * (restarts * every + tail)) // 200 * 200 + 200
-    clean = run(work, "clean", n, steps, extra) if clean_run else None
-    faulty = run(work, "churn", n, steps, extra, restarts=restarts, every=every, down=down, seed=seed)
+        lead = max(every, 3.0 * startup) if mixed else 0.0
+        steps = int(rate * (restarts * every + tail + lead)) // 200 * 200 + 200
+    lead = lead or max(every, 20.0)
+    kinds = None
+    if mixed:
+        draw = random.Random(f"kinds|{seed}")  # each kind once in every four faults, in a drawn order
+        kinds = [kind for _ in range(0, restarts, len(KINDS)) for kind in draw.sample(KINDS, len(KINDS))][:restarts]
+    plan = (lead, partition_s) if mixed else None
+    clean = run(work, "clean", n, steps, extra, mixed=plan) if clean_run else None
+    faulty = run(work, "churn", n, steps, extra, restarts=restarts, every=every, down=down, seed=seed, kinds=kinds,
+                 mixed=plan)
     if clean is None:
         clean = {"elapsed_s": math.nan, "summaries": [{}], "timed_out_rounds": None}
     acc_clean = [s.get("final_accuracy") for s in clean["summaries"]]
     acc = [s.get("final_accuracy") for s in faulty["summaries"]]
     last = faulty["summaries"]
+    applied = faulty["kills"]
     return {
-        "nodes": n, "steps": steps, "calibrated_steps_per_s": rate, "startup_s": startup,
-        "restarts": len(faulty["kills"]),
+        "nodes": n, "steps": steps, "calibrated_steps_per_s": rate, "startup_s": startup, "mixed": mixed,
+        "restarts": sum(1 for k in applied if k.get("kind", "kill") == "kill"),
+        "faults": {kind: sum(1 for k in applied if k.get("kind") == kind) for kind in KINDS} if mixed else None,
+        # each fault proven: a kill's exit status, a stop's process state T (and a long one's own log of
+        # its stall), a partition's messages dropped by the emulators (of the last lives: a killed life
+        # prints no summary)
+        "proven": {
+            "stopped": sum(1 for k in applied if k["kind"].startswith("stop") and k["state"] == "T"),
+            "long_stops_logged": sum(1 for k in applied if k["kind"] == "stop-long" and k["logged_stall"]),
+            "partition_losses": sum(s.get("emulated_losses") or 0 for s in last),
+        } if mixed else None,
         "every_s": every, "down_s": down, "seed": seed,
         "goodput": clean["elapsed_s"] / faulty["elapsed_s"],
         "clean_s": clean["elapsed_s"], "churn_s": faulty["elapsed_s"],
-        "exit_codes": faulty["exit_codes"], "kill_exit_codes": sorted({k["exit"] for k in faulty["kills"]}),
+        "exit_codes": faulty["exit_codes"],
+        "kill_exit_codes": sorted({k["exit"] for k in applied if k.get("kind", "kill") == "kill"}),
         "steps_at_end": [s.get("steps") for s in last],
         "members_at_end": [s.get("members") for s in last],
         "joined": [s.get("joined") for s in last], "state_from": [s.get("state_from") for s in last],
@@ -183,30 +278,44 @@ def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, do
         "accuracy": acc,
         "accuracy_change_pts": (100 * (min(acc) - sum(acc_clean) / len(acc_clean))
                                 if None not in acc and None not in acc_clean else None),
-        "kills": faulty["kills"],
+        "kills": [k for k in applied if k["kind"] == "kill"],
+        "faults_applied": applied if mixed else None,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, default=5)
-    ap.add_argument("--restarts", type=int, default=40)
-    ap.add_argument("--every", type=float, default=15.0, help="seconds between two kills")
+    ap.add_argument("--mixed", action="store_true",
+                    help="draw each fault from kill, a long and a short SIGSTOP, and a partition (default: kills)")
+    ap.add_argument("--nodes", type=int, help="nodes (default: 5; 8 with --mixed)")
+    ap.add_argument("--faults", "--restarts", dest="faults", type=int,
+                    help="faults (kills) in the run (default: 40; 60 with --mixed)")
+    ap.add_argument("--every", type=float, help="seconds between two faults (default: 15; 10 with --mixed)")
     ap.add_argument("--down", type=float, default=2.0, help="seconds a killed node stays down")
+    ap.add_argument("--partition-s", type=float, default=4.0, help="seconds a partition lasts (--mixed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", metavar="DIR", help="keep the logs and checkpoints in DIR")
     ap.add_argument("--steps", type=int, help="steps per node (default: measured, to last the churn)")
     ap.add_argument("--churn-only", action="store_true", help="no clean run (a diagnosis: no goodput)")
     args = ap.parse_args()
+    n = args.nodes or (8 if args.mixed else 5)
+    faults = args.faults if args.faults is not None else (60 if args.mixed else 40)
+    every = args.every or (10.0 if args.mixed else 15.0)
+    for name, value in (("--nodes", n), ("--faults", faults)):
+        if value < (2 if name == "--nodes" else 0):
+            ap.error(f"{name} must be at least {2 if name == '--nodes' else 0}, got {value}")
+    if not (every > 0 and args.down >= 0 and args.partition_s > 0):
+        ap.error("--every and --partition-s must be positive, --down at least 0")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        r = churn(work, n=args.nodes, restarts=args.restarts, every=args.every, down=args.down, seed=args.seed,
-                  steps=args.steps, clean_run=not args.churn_only)
-    print(f"churn: {r['restarts']} restarts, one every {r['every_s']:g} s, {r['steps']} steps: goodput "
+        r = churn(work, n=n, restarts=faults, every=every, down=args.down, seed=args.seed, steps=args.steps,
+                  clean_run=not args.churn_only, mixed=args.mixed, partition_s=args.partition_s)
+    what = f"{sum(r['faults'].values())} faults ({r['faults']})" if r["mixed"] else f"{r['restarts']} restarts"
+    print(f"churn: {what}, one every {r['every_s']:g} s, {r['steps']} steps: goodput "
           f"{r['goodput']:.3f} (clean {r['clean_s']:.1f} s, churn {r['churn_s']:.1f} s); slowest stretch between "
           f"two steps {r['max_step_gap_s']:.2f} s; steps at the end {r['steps_at_end']}; members {r['members_at_end']}"
-          f"; accuracy change {r['accuracy_change_pts']} pts")
+          f"; rounds timed out {r['timed_out_rounds']}; accuracy change {r['accuracy_change_pts']} pts")
     print(json.dumps(r, default=str))
 
 

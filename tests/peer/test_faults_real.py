@@ -547,6 +547,29 @@ def test_a_cluster_under_churn_keeps_training_and_every_restart_joins(tmp_path, 
 
 
 @pytest.mark.slow
+def test_a_cluster_under_mixed_faults_finishes_as_one_cluster_and_each_fault_is_proven(tmp_path, five_node_ring):
+    """benchmarks/churn.py --mixed in a bounded form: 5 real nodes in two datacenters
+    (2 and 3), one fault of each kind in a seeded order, spaced as the churn test's:
+    SIGKILL and a restart with --resume, SIGSTOP for longer than --dead-after and for
+    half of it, and a partition of the datacenters for 4 s, cut by every node's link
+    emulator from one --emulate-origin. Each fault is proven (the kill's exit status,
+    the kernel's stopped state, the long stop in the node's own log, the messages the
+    emulators dropped), and all five finish every step in one cluster of five."""
+    from benchmarks.churn import KINDS, churn
+
+    r = churn(tmp_path, restarts=4, every=6.0, down=2.0, seed=1, tail=15.0, clean_run=False,
+              calibration=five_node_ring, mixed=True, partition_s=4.0)
+    n = r["nodes"]
+    assert r["faults"] == {kind: 1 for kind in KINDS}, r["faults_applied"]
+    assert r["kill_exit_codes"] == [-signal.SIGKILL]
+    assert r["proven"]["stopped"] == 2 and r["proven"]["long_stops_logged"] == 1, r["faults_applied"]
+    assert r["proven"]["partition_losses"] > 0, r
+    assert r["exit_codes"] == [0] * n, r
+    assert r["steps_at_end"] == [r["steps"]] * n, r
+    assert r["members_at_end"] == [n] * n, r
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("GOSSIP_SOAK"), reason="soak form: set GOSSIP_SOAK=1 (about 25 minutes)")
 def test_a_cluster_under_churn_for_ten_minutes_keeps_its_goodput(tmp_path, five_node_ring):
     """The soak form: a SIGKILL and restart every 15 s for 10 minutes, against a clean
