@@ -56,6 +56,8 @@ def test_a_wildcard_listen_asks_for_advertise_by_its_api_name():
     ({"device": "tpu"}, "unknown device 'tpu'"),
     ({"threads": 0}, "threads must be a positive integer"),
     ({"rank": 0}, "rank and world_size go together"),
+    ({"emulate_origin": 1.7e9}, "emulate_origin needs emulate"),
+    ({"emulate": ("inter:down=1s-2s",), "emulate_origin": -1.0}, "emulate_origin must be a time in UNIX seconds"),
 ])
 def test_ignored_options_and_options_that_need_another_are_errors(kwargs, words):
     model, opt = _model()
