@@ -148,12 +148,19 @@ class Timing:
         see ``ControlPlane._reconcile``): ``2 + ceil(log2 n)`` probe periods, longer
         than news takes to reach every member as deltas (``log n`` hops of a tick, see
         :meth:`spread`) or in SWIM's messages, so that members that differ only while a
-        change spreads exchange no table.
+        change spreads exchange no table. That bound holds for the default fanout only:
+        a push forwarded to fewer members may miss some for good, and the tables are
+        then how they learn it, at once (no wait).
 
         >>> [Timing().reconcile_after(n) for n in (2, 16, 1024, 4096)]
         [1.5, 3.0, 6.0, 7.0]
+        >>> Timing(fanout=1).reconcile_after(12), Timing(fanout=20).reconcile_after(1024), Timing(fanout=2).reconcile_after(3)
+        (0.0, 6.0, 2.0)
         """
-        return self.heartbeat * (2 + math.ceil(math.log2(max(n, 1))))
+        hops = math.ceil(math.log2(max(n, 1)))
+        if self.spread(n) < min(n - 1, 3 + hops):  # (a fanout below the default's: no bound)
+            return 0.0
+        return self.heartbeat * (2 + hops)
 
     @property
     def stall(self) -> float:
