@@ -38,6 +38,9 @@ fault every 0.3 to 1.5 s up to ``FAULTS_END`` (5 to 25 of them), a node faulted 
 once its last fault is over (restarted twice, stalled while it joins, a donor restarted
 while a joiner pulls its state), under the same invariants.
 
+``--mixed`` draws both in one exploration: every fourth run seed a dense-fault schedule,
+the others as by default (one exploration at one commit then covers both kinds).
+
 A run that breaks one prints its seed; ``--replay SEED`` runs exactly that
 schedule again. The last line is one JSON object: ``runs``, ``violations``,
 ``schedules_per_cpu_minute`` (and the failing seeds).
@@ -45,6 +48,7 @@ schedule again. The last line is one JSON object: ``runs``, ``violations``,
     python -m gossip.sim.explore --runs 20 --seed 1
     python -m gossip.sim.explore --runs 20 --seed 1 --detector swim
     python -m gossip.sim.explore --runs 20 --seed 1 --churn
+    python -m gossip.sim.explore --runs 20 --seed 1 --mixed
 """
 
 from __future__ import annotations
@@ -439,6 +443,12 @@ def trace(c: SimCluster) -> str:
     return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
 
+def dense(seed: int, args: argparse.Namespace) -> bool:
+    """Whether run seed ``seed`` draws a dense-fault schedule (``--churn``; ``--mixed``: one
+    seed in four)."""
+    return bool(args.churn or (args.mixed and seed % 4 == 3))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gossip.sim.explore", description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=20, help="schedules to draw and run")
@@ -454,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
                             "the seeds found then with it)")
     which.add_argument("--churn", action="store_true",
                        help="dense-fault schedules (draw_churn): 6 to 16 nodes, a fault every 0.3-1.5 s")
+    which.add_argument("--mixed", action="store_true",
+                       help="both kinds: a dense-fault schedule for every run seed that is 3 modulo 4, the default "
+                            "draw for the others")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the protocol (INFO)")
     args = ap.parse_args(argv)
     if args.runs < 1:
@@ -467,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     ran = 0
     for seed in seeds:
-        s = draw_churn(seed) if args.churn else draw(seed, groups=not args.single)
+        s = draw_churn(seed) if dense(seed, args) else draw(seed, groups=not args.single)
         if args.groups and s.group == 1 and args.replay is None:
             continue
         ran += 1
@@ -484,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             for b in bad:
                 print(f"  {b}", file=sys.stderr)
             print(f"  replay: python -m gossip.sim.explore --replay {seed} --detector {args.detector}"
-                  f"{' --single' if args.single else ' --churn' if args.churn else ''}", file=sys.stderr)
+                  f"{' --single' if args.single else ' --churn' if dense(seed, args) else ''}", file=sys.stderr)
         elif args.replay is not None or args.verbose:
             print(f"ok {s.describe()}", file=sys.stderr)
     cpu = time.process_time() - cpu0

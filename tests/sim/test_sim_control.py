@@ -563,6 +563,20 @@ def test_dense_fault_schedules_hold_every_invariant():
     assert explore.main(["--churn", "--runs", "3", "--seed", "5"]) == 0
 
 
+def test_a_mixed_exploration_draws_a_dense_schedule_for_one_seed_in_four(capsys):
+    """``--mixed``: both kinds at one commit; a failing dense seed replays with --churn."""
+    import argparse
+
+    from gossip.sim import explore
+
+    args = argparse.Namespace(churn=False, mixed=True)
+    seeds = [6 * 1000003 + k for k in range(4)]
+    assert [explore.dense(s, args) for s in seeds] == [s % 4 == 3 for s in seeds] and sum(
+        explore.dense(s, args) for s in seeds) == 1
+    assert explore.main(["--mixed", "--runs", "4", "--seed", "6"]) == 0
+    assert '"runs": 4' in capsys.readouterr().out
+
+
 @pytest.mark.skipif(not os.environ.get("GOSSIP_SOAK"), reason="soak form: set GOSSIP_SOAK=1 (about 30 CPU-minutes)")
 def test_many_explored_schedules_hold_every_invariant():
     """The soak form of the exploration: 2000 schedules."""
