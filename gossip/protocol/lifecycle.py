@@ -624,7 +624,12 @@ class Lifecycle:
         stopped process came back, say). Logged when a neighbour first is."""
         node = self.node
         assert node is not None
-        why = node.out_of_reach(mid)
+        # the latest round it sent is of the life it trains in only if its last state messages
+        # came from the life the table has now: a restarted member's new life joins rounds
+        # after its old life's last message (a Hugging Face Trainer killed and resumed: its
+        # neighbours skipped its first rounds, and it ended 7 steps short of them)
+        m = self.membership.members.get(mid)
+        why = node.out_of_reach(mid, behind=m is not None and self.incarnations.get(mid) == m.incarnation)
         if why is None:
             self.beyond.discard(mid)
             return False

@@ -643,7 +643,7 @@ class Node:
         self.last_seq.pop(sender, None)
         self.newest_round.pop(sender, None)
 
-    def out_of_reach(self, sender: Any) -> str | None:
+    def out_of_reach(self, sender: Any, behind: bool = True) -> str | None:
         """Why the round this node waits in will not get ``sender``'s message, whatever the
         wait: "ahead" when its queue holds a whole inbox (``Inbox.per_sender``) of later
         rounds and none of this one (that message was evicted, or never sent: messages on
@@ -651,6 +651,8 @@ class Node:
         more behind this one (its inbox has lost this node's messages of the rounds
         between: it runs through them on its own, "ahead" for it, before it is here).
         None otherwise: a neighbour within an inbox of this round is waited for.
+        ``behind`` False: the latest round known is an earlier life's (the caller knows
+        lives), and says nothing of this one.
 
         A stopped process (SIGSTOP for longer than ``--dead-after``) comes back hundreds
         of rounds behind the neighbours that went on without it: each side waited out
@@ -665,7 +667,7 @@ class Node:
         q = inbox.queues.get(j)
         if q is not None and len(q) >= inbox.per_sender and not inbox.has_round(j, rnd):
             return "ahead"
-        last = self.newest_round.get(sender)
+        last = self.newest_round.get(sender) if behind else None
         return "behind" if last is not None and last <= rnd - inbox.per_sender else None
 
     def _check(self, msg: Message) -> str | None:
