@@ -360,18 +360,6 @@ class ControlPlane:
         with self.lock:
             return self._message(kind, **self._entries(None))
 
-    def _probe_message(self) -> Message:
-        """A hello to a member declared dead (see :meth:`_probe`): this node and its
-        digest only. Whoever answers sends its whole table, and the two then judge
-        each other as any two members do (a heal's verdict needs one side's lists to
-        start). A hello with this node's whole table, every few seconds to each member
-        it found dead, cost 176 KB a hello at 4,096 members: after one crash about 22
-        KB per survivor per second, which made a simulated crash of 4,096 crawl."""
-        with self.lock:
-            me = self.m.members[self.id]
-            return self._message("hello", mids=[self.id], mincs=[me.incarnation], mdcs=[me.dc],
-                                 digest=self.m.digest())
-
     def _agreement(self) -> str:
         """This node's member digest, with ``agree`` and ``ready`` emptied if they are
         about another (call with ``lock`` held)."""
@@ -940,7 +928,7 @@ class ControlPlane:
         for mid in lost:
             state = self.probes.get(mid) or [now + self.timing.dead_after, self.timing.dead_after]
             if now >= state[0]:
-                fx.sends.append((mid, self._probe_message()))
+                fx.sends.append((mid, self._members_message("hello")))
                 state[0] = now + state[1]
                 state[1] = min(state[1] * 2, BACKOFF_MAX)
             probes[mid] = state
