@@ -492,6 +492,19 @@ def test_a_new_life_whose_target_cluster_dissolved_joins_the_cluster_that_trains
     assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
 
 
+def test_a_partition_healed_under_churn_that_broke_a_lighter_probe_of_the_dead_becomes_one_cluster(tmp_path):
+    """Seed 8200024619 (``--churn``, 11 nodes, default fanout): a partition from 1.28 to
+    5.00 s, then node 0 restarted twice and node 4 stalled. With the members declared dead
+    probed by a hello naming only the sender and its digest (34b7508, reverted), the
+    survivors ended in two clusters; with the whole table in that hello they end in one.
+    A lighter probe of the dead (at 4,096 members each costs 176 KB) must pass this."""
+    from gossip.sim import explore
+
+    s = explore.draw_churn(8200024619)
+    assert ("partition", [0, 2, 4, 5, 7, 8], [1, 3, 6, 9, 10], 5.0) in [f[1:] for f in s.faults]
+    assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
+
+
 @pytest.mark.parametrize("detector", ["heartbeat", "swim"])
 def test_a_restart_just_before_the_end_joins_or_says_why(detector, tmp_path):
     """Seed 303001020 (found at 87be879, a death's leave then `dead_after` of rounds ahead):
