@@ -60,8 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gossip.core.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from tests.cluster import Cluster, NodeProc, free_port  # noqa: E402
 
-FLAGS = ["--topology", "ring", "--task", "synthetic", "--json", "--dead-after", "2", "--checkpoint-every", "200"]
-DEAD_AFTER = 2.0  # (FLAGS' --dead-after)
+DEAD_AFTER = 2.0  # the nodes' --dead-after (the stops of --mixed are measured against it)
+FLAGS = ["--topology", "ring", "--task", "synthetic", "--json", "--dead-after", f"{DEAD_AFTER:g}",
+         "--checkpoint-every", "200"]
 KINDS = ("kill", "stop-long", "stop-short", "partition")  # --mixed draws from these
 
 
@@ -137,7 +138,7 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
     ck = work / name
     rng = random.Random(seed)
     kinds = list(kinds) if kinds is not None else ["kill"] * restarts
-    kills: list[dict] = []  # every fault applied (the kills, and with --mixed the others)
+    faults: list[dict] = []  # every fault applied (the kills, and with --mixed the others)
     origin = time.time()
     spawned = time.monotonic()
     windows: list[tuple[float, float]] = []
@@ -175,7 +176,7 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
                 time.sleep(down)
                 lives += 1
                 current[i] = c.start(f"{name}{i}.{lives}", node_args(i, ["--resume"]), port=ports[i])
-                kills.append({"kind": kind, "node": i, "at_s": at, "checkpoint_step": at_step, "exit": code})
+                faults.append({"kind": kind, "node": i, "at_s": at, "checkpoint_step": at_step, "exit": code})
             elif kind in ("stop-long", "stop-short"):
                 hold = DEAD_AFTER + 1.5 if kind == "stop-long" else DEAD_AFTER / 2
                 victim.proc.send_signal(signal.SIGSTOP)
@@ -185,12 +186,12 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
                     state = _process_state(victim.proc.pid)
                 time.sleep(max(0.0, hold - (time.monotonic() - t)))
                 victim.proc.send_signal(signal.SIGCONT)
-                kills.append({"kind": kind, "node": i, "at_s": at, "stopped_s": round(time.monotonic() - t, 2),
+                faults.append({"kind": kind, "node": i, "at_s": at, "stopped_s": round(time.monotonic() - t, 2),
                               "state": state, "life": victim.name})
             else:  # partition: the emulators cut it at its time; nothing to do here
-                a, b = windows[sum(1 for f in kills if f["kind"] == "partition")]
+                a, b = windows[sum(1 for f in faults if f["kind"] == "partition")]
                 lag = started - spawned  # (the windows count from the launch, ``at_s`` from the start)
-                kills.append({"kind": kind, "at_s": at, "window_s": [round(a - lag, 2), round(b - lag, 2)]})
+                faults.append({"kind": kind, "at_s": at, "window_s": [round(a - lag, 2), round(b - lag, 2)]})
             next_kill += every
         codes = []
         for x in current:
@@ -207,10 +208,10 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
                 summaries.append({"node": x.addr, "steps": None, "error": x.log()[-2000:]})
         logs = {x.name: x.log() for x in c.nodes}
         timeouts = sum(log.count("timed out waiting") for log in logs.values())
-        for f in kills:  # a long stop proven by the node's own log (its control plane saw the gap)
+        for f in faults:  # a long stop proven by the node's own log (its control plane saw the gap)
             if f["kind"] == "stop-long":
                 f["logged_stall"] = "this node stalled for" in logs[f["life"]]
-    return {"elapsed_s": elapsed, "exit_codes": codes, "kills": kills, "summaries": summaries,
+    return {"elapsed_s": elapsed, "exit_codes": codes, "faults": faults, "summaries": summaries,
             "timed_out_rounds": timeouts}
 
 
@@ -249,7 +250,7 @@ def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, do
     acc_clean = [s.get("final_accuracy") for s in clean["summaries"]]
     acc = [s.get("final_accuracy") for s in faulty["summaries"]]
     last = faulty["summaries"]
-    applied = faulty["kills"]
+    applied = faulty["faults"]
     return {
         "nodes": n, "steps": steps, "calibrated_steps_per_s": rate, "startup_s": startup, "mixed": mixed,
         "restarts": sum(1 for k in applied if k.get("kind", "kill") == "kill"),
