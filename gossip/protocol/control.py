@@ -221,6 +221,7 @@ class ControlPlane:
         self.excluded = excluded
         self.seeds = {s: [0.0, timing.heartbeat] for s in seeds if s != node_id}  # id -> [next try, backoff]
         self.probes: dict[str, list[float]] = {}  # member declared dead -> [next hello, backoff]
+        self.probed: dict[str, float] = {}  # member said a light hello to (see _probe) -> when
         # training members whose lists drop us: who -> (its cluster, our leave round), since when
         # (the evidence of one life: a new life starts without it, see new_life)
         self.excluded_by: dict[str, tuple[set[str], int]] = {}
@@ -359,6 +360,16 @@ class ControlPlane:
     def _members_message(self, kind: str = "members") -> Message:
         with self.lock:
             return self._message(kind, **self._entries(None))
+
+    def _probe_message(self) -> Message:
+        """A hello to a member declared dead (see :meth:`_probe`): this node and its
+        digest only. A hello with the whole table, every few seconds to each member found
+        dead, cost 176 KB a hello at 4,096 members: after one crash about 22 KB per
+        survivor per second, for as long as the dead one stays dead."""
+        with self.lock:
+            me = self.m.members[self.id]
+            return self._message("hello", mids=[self.id], mincs=[me.incarnation], mdcs=[me.dc],
+                                 digest=self.m.digest())
 
     def _agreement(self) -> str:
         """This node's member digest, with ``agree`` and ``ready`` emptied if they are
@@ -549,6 +560,12 @@ class ControlPlane:
             # may be the only member that knows of it yet, and may crash within the tick
             firsthand = peer in self.m.members and (was is None or was < self.m.members[peer].incarnation)
         if reply:
+            fx.sends.append((peer, self._members_message()))
+        elif msg.kind == "members" and self.probed.pop(peer, None) is not None:
+            # the answer to a light probe (see _probe): the other side gets this node's
+            # whole table back, as a whole hello gave it, so that both sides of a healed
+            # partition judge the other from its lists (explorer seed 8200024619: with the
+            # answerer's side judging alone, the sides joined each other piecewise)
             fx.sends.append((peer, self._members_message()))
         if scheduled:  # (a join or a restart's leave it scheduled: every member must hear of it in time)
             fx.broadcasts += self._delta_messages(before)
@@ -923,12 +940,20 @@ class ControlPlane:
     def _probe(self, now: float, lost: list[str], fx: Effects) -> None:
         """Say hello now and then (backing off) to members declared dead for their
         silence. A crashed one never answers; one behind a partition that healed
-        answers, and the two clusters meet again (see ``foreign`` in _control)."""
+        answers, and the two clusters meet again (see ``foreign`` in _control).
+
+        The hello is light (:meth:`_probe_message`): whoever answers sends its whole
+        table, and this node then sends its own (see ``probed`` in handle), a push-pull
+        with one peer for each probe answered. So a dead member costs each survivor a
+        small message every ``BACKOFF_MAX`` s, whatever the cluster's size."""
         probes = {}
+        keep = BACKOFF_MAX + self.timing.dead_after  # (an answer later than that is no answer to it)
+        self.probed = {mid: t for mid, t in self.probed.items() if now - t < keep}
         for mid in lost:
             state = self.probes.get(mid) or [now + self.timing.dead_after, self.timing.dead_after]
             if now >= state[0]:
-                fx.sends.append((mid, self._members_message("hello")))
+                fx.sends.append((mid, self._probe_message()))
+                self.probed[mid] = now
                 state[0] = now + state[1]
                 state[1] = min(state[1] * 2, BACKOFF_MAX)
             probes[mid] = state

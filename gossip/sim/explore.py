@@ -381,10 +381,16 @@ def _can_meet(survivors: list[Any]) -> list[list[str]]:
     a node probes the members it knew at their addresses until they answer. A life
     restarted without a checkpoint knows its seeds only: if those are dead for good, and
     no survivor remembers it or names it, nobody can find it (the explorer found such a
-    schedule, seed 450001456: two restarted nodes whose only seeds had crashed)."""
+    schedule, seed 450001456: two restarted nodes whose only seeds had crashed). So is a
+    life restarted with ``--resume`` that found no checkpoint (its last life trained too
+    briefly to write one): it has no member list (seed 8002024047: three such lives, and
+    a node whose only seed had crashed for good, which none of them had heard of)."""
     def remembers(p: Any) -> bool:
         cfg = p.life.cfg if p.life is not None else p.cfg  # (the present life's: a restart may resume)
-        return not p.lives or bool(cfg.resume and cfg.checkpoint_dir)
+        if not p.lives:
+            return True
+        # (a member list is written with each checkpoint: none found, none read)
+        return bool(cfg.resume and cfg.checkpoint_dir) and (p.life is None or p.life.resume_step > 0)
 
     ids = {p.id: p for p in survivors}
     parent = {i: i for i in ids}

@@ -496,13 +496,33 @@ def test_a_partition_healed_under_churn_that_broke_a_lighter_probe_of_the_dead_b
     """Seed 8200024619 (``--churn``, 11 nodes, default fanout): a partition from 1.28 to
     5.00 s, then node 0 restarted twice and node 4 stalled. With the members declared dead
     probed by a hello naming only the sender and its digest (34b7508, reverted), the
-    survivors ended in two clusters; with the whole table in that hello they end in one.
-    A lighter probe of the dead (at 4,096 members each costs 176 KB) must pass this."""
+    survivors ended in two clusters: only the side that heard an answer judged from the
+    other's lists, and nodes of both sides joined the other piecewise. The probe is that
+    light now, and whoever answers gets the prober's whole table back
+    (ControlPlane._probe): both sides judge, as a whole hello let them."""
     from gossip.sim import explore
 
     s = explore.draw_churn(8200024619)
     assert ("partition", [0, 2, 4, 5, 7, 8], [1, 3, 6, 9, 10], 5.0) in [f[1:] for f in s.faults]
     assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
+
+
+def test_a_restart_that_found_no_checkpoint_remembers_no_member(tmp_path):
+    """Seed 8002024047 (``--mixed``, a dense-fault schedule, 6 nodes): node 4 came back
+    without a checkpoint, seeded only with node 5, which then crashed for good; nodes 0
+    and 1 restarted with ``--resume`` but their lives had trained too briefly to write a
+    checkpoint, so they had no member list, node 2 restarted without one, and none of
+    them heard of node 4 again. The check asked
+    all four to end as one cluster; it now counts a ``--resume`` that found no checkpoint
+    as a life that knows its seeds only (explore._can_meet)."""
+    from gossip.sim import explore
+
+    s = explore.draw_churn(8002024047)
+    c = explore.run_schedule(s, str(tmp_path), "swim")
+    assert explore.check(c, s.settles) == []
+    survivors = [p for p in c.procs if p.exit != "crashed"]
+    assert explore._can_meet(survivors) == [[node_id(0), node_id(1), node_id(2)], [node_id(4)]]
+    assert [(p.life.cfg.resume, p.life.resume_step) for p in survivors[:3]] == [(True, 0), (True, 0), (False, 0)]
 
 
 @pytest.mark.parametrize("detector", ["heartbeat", "swim"])

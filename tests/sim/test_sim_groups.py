@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -115,13 +116,16 @@ def test_explored_group_schedules_hold_every_invariant(seed, tmp_path):
 
 
 class _Proc:  # what explore._can_meet reads of a simulated process
-    def __init__(self, i: int, peers: tuple[int, ...], restarted: bool = False, resume: bool = False) -> None:
+    def __init__(self, i: int, peers: tuple[int, ...], restarted: bool = False, resume: bool = False,
+                 found: bool = True) -> None:
         from gossip.protocol.config import PeerConfig
 
-        self.id, self.life = node_id(i), None
+        self.id = node_id(i)
         self.lives = [{}] if restarted else []
         self.cfg = PeerConfig(listen=node_id(i), peers=tuple(node_id(j) for j in peers), resume=resume,
                               checkpoint_dir="ck" if resume else None)
+        # the present life: the step of the checkpoint it found (0: none)
+        self.life = SimpleNamespace(cfg=self.cfg, resume_step=200 if found else 0) if restarted else None
 
 
 def test_survivors_that_can_find_each_other_are_asked_to_end_as_one_cluster():
@@ -135,6 +139,8 @@ def test_survivors_that_can_find_each_other_are_asked_to_end_as_one_cluster():
     assert meet([a, b]) == [[node_id(1)], [node_id(3)]]  # both forgot; their seeds are dead
     assert meet([a, _Proc(3, (1,), restarted=True)]) == [[node_id(1), node_id(3)]]  # one names the other
     assert meet([a, _Proc(3, (0,), restarted=True, resume=True)]) == [[node_id(1), node_id(3)]]
+    # --resume that found no checkpoint: no member list either (explorer seed 8002024047)
+    assert meet([a, _Proc(3, (0,), restarted=True, resume=True, found=False)]) == [[node_id(1)], [node_id(3)]]
 
 
 def test_bad_group_settings_are_refused_by_name():
