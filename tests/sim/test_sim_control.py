@@ -507,6 +507,34 @@ def test_a_partition_healed_under_churn_that_broke_a_lighter_probe_of_the_dead_b
     assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
 
 
+@pytest.mark.parametrize("wait", [False, True])
+def test_a_link_broken_one_way_costs_a_few_timed_out_rounds_not_one_a_round(wait, caplog):
+    """Node 1's messages to node 2 are lost from 1 s to 16 s, the other way they pass (a
+    connection that stopped delivering: the churn benchmark of 2026-12-07 saw one for 95
+    s). SWIM finds both alive through the others' indirect probes, so nobody is
+    suspected, and before, every round of the ring waited ``--timeout`` for node 1's
+    message at node 2. Now node 2 goes on without node 1 after LATE_ROUNDS rounds in a
+    row waited for it in vain, and waits for it again once its messages come
+    (Lifecycle._unreached); ``--wait-for-suspects`` keeps the old wait."""
+    from gossip.protocol.lifecycle import LATE_ROUNDS
+
+    steps, timeout = 1500, 2.0
+    c = SimCluster(5, steps=steps, timeout=timeout, wait_for_suspects=wait)
+    c.cut([1], [2], at=1.0, until=16.0)
+    with caplog.at_level("INFO", logger="gossip"):
+        c.run(until=200.0)
+    results = c.results()
+    assert all(r["exit"] == "done" and r["steps"] == steps for r in results)
+    timed_out = [r["timed_out_rounds"] for r in results]
+    if wait:  # every round of the cut waited --timeout: 15 s of them
+        assert min(timed_out) >= 15 / timeout - 1, timed_out
+        return
+    assert max(timed_out) <= LATE_ROUNDS + 1, timed_out
+    assert results[2]["skipped_rounds"] > 100  # it went on without node 1 ...
+    back = [r.getMessage() for r in caplog.records if "reach this node again" in r.getMessage()]
+    assert any(m.startswith(f"{node_id(2)}: {node_id(1)}'s") for m in back), back  # ... and took it back
+
+
 def test_a_restart_that_found_no_checkpoint_remembers_no_member(tmp_path):
     """Seed 8002024047 (``--mixed``, a dense-fault schedule, 6 nodes): node 4 came back
     without a checkpoint, seeded only with node 5, which then crashed for good; nodes 0
@@ -523,6 +551,28 @@ def test_a_restart_that_found_no_checkpoint_remembers_no_member(tmp_path):
     survivors = [p for p in c.procs if p.exit != "crashed"]
     assert explore._can_meet(survivors) == [[node_id(0), node_id(1), node_id(2)], [node_id(4)]]
     assert [(p.life.cfg.resume, p.life.resume_step) for p in survivors[:3]] == [(True, 0), (True, 0), (False, 0)]
+
+
+def test_lives_the_model_keeps_apart_may_meet_into_one_agreed_cluster(tmp_path):
+    """Seed 8302025296 (settling, 4 nodes, chain seeds): nodes 1 and 3 crashed for good;
+    node 0 restarted and node 2 (which still knew it) reached it; node 2 then restarted
+    itself. Neither found a checkpoint, and each is seeded only with a dead node, so the
+    model says they need not meet; node 0 still knew node 2 from its present life and
+    they ended as one cluster of two. The check asked each to end alone; it now accepts
+    any meeting that every member agrees on, and still flags a one-sided one."""
+    from gossip.sim import explore
+
+    s = explore.draw(8302025296)
+    c = explore.run_schedule(s, str(tmp_path), "swim")
+    survivors = [p for p in c.procs if p.exit != "crashed"]
+    assert explore._can_meet(survivors) == [[node_id(0)], [node_id(2)]]
+    results = {r["node"]: r for r in c.results()}
+    assert sorted(results[node_id(0)]["member_ids"]) == [node_id(0), node_id(2)]
+    assert explore.check(c, s.settles) == []
+    # a view the other side does not share is still a violation
+    lopsided = [dict(r, member_ids=[node_id(2)]) if r["node"] == node_id(2) else r for r in c.results()]
+    c.results = lambda: lopsided
+    assert explore.check(c, s.settles) == [f"survivors {[node_id(0)]} end in clusters {[(node_id(0), node_id(2))]}"]
 
 
 @pytest.mark.parametrize("detector", ["heartbeat", "swim"])
