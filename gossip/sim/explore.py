@@ -43,7 +43,11 @@ the others as by default (one exploration at one commit then covers both kinds).
 
 A run that breaks one prints its seed; ``--replay SEED`` runs exactly that
 schedule again. The last line is one JSON object: ``runs``, ``violations``,
-``schedules_per_cpu_minute`` (and the failing seeds).
+``schedules_per_cpu_minute``, the failing seeds, and ``code``: where the ``gossip``
+package that ran was imported from and a hash of its sources (under ``python -m``
+the working directory comes first on ``sys.path``, so a run started in a checkout
+explores that checkout's files, whatever ``PYTHONPATH`` says; the hash tells two
+explorations of the same code from two of different code).
 
     python -m gossip.sim.explore --runs 20 --seed 1
     python -m gossip.sim.explore --runs 20 --seed 1 --detector swim
@@ -457,6 +461,22 @@ def trace(c: SimCluster) -> str:
     return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
 
+def code_fingerprint(root: str | None = None) -> dict[str, str]:
+    """Where the running ``gossip`` package lives (or ``root``) and a hash of its ``.py``
+    files (paths and contents, sorted): explorations of the same code report the same hash."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (gossip/sim/..)
+    h = hashlib.sha256()
+    for d, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as fh:
+                    h.update(fh.read() + b"\0")
+    return {"path": root, "sha256": h.hexdigest()[:16]}
+
+
 def dense(seed: int, args: argparse.Namespace) -> bool:
     """Whether run seed ``seed`` draws a dense-fault schedule (``--churn``; ``--mixed``: one
     seed in four)."""
@@ -489,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     seeds = [args.replay] if args.replay is not None else [args.seed * 1000003 + k for k in range(args.runs)]
     failed: list[int] = []
+    code = code_fingerprint()  # (before the runs: the files a long exploration started with)
     cpu0 = time.process_time()
     # checkpoints on a memory file system where there is one: their fsyncs are not what is explored
     scratch = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -516,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ok {s.describe()}", file=sys.stderr)
     cpu = time.process_time() - cpu0
     print(json.dumps({"runs": ran, "violations": len(failed), "failing_seeds": failed, "detector": args.detector,
-                      "schedules_per_cpu_minute": round(ran / (cpu / 60), 2) if cpu > 0 else None}))
+                      "schedules_per_cpu_minute": round(ran / (cpu / 60), 2) if cpu > 0 else None,
+                      "code": code}))
     return 1 if failed else 0
 
 

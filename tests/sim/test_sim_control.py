@@ -660,6 +660,27 @@ def test_a_mixed_exploration_draws_a_dense_schedule_for_one_seed_in_four(capsys)
     assert '"runs": 4' in capsys.readouterr().out
 
 
+def test_an_exploration_names_the_code_it_ran(tmp_path, capsys):
+    """The summary line says where ``gossip`` came from and hashes its sources: the same
+    files give the same hash, one changed byte another (an exploration started in a
+    checkout runs that checkout's files, whatever PYTHONPATH says)."""
+    import json
+    import shutil
+
+    import gossip
+    from gossip.sim import explore
+
+    assert explore.main(["--runs", "1", "--seed", "7"]) == 0
+    code = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["code"]
+    root = os.path.dirname(os.path.abspath(gossip.__file__))
+    assert code == {"path": root, "sha256": explore.code_fingerprint()["sha256"]}
+    copy = tmp_path / "gossip"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    same = explore.code_fingerprint(str(copy))["sha256"]
+    (copy / "sim" / "explore.py").write_text((copy / "sim" / "explore.py").read_text() + "\n# one more line\n")
+    assert same == code["sha256"] and explore.code_fingerprint(str(copy))["sha256"] != same
+
+
 @pytest.mark.skipif(not os.environ.get("GOSSIP_SOAK"), reason="soak form: set GOSSIP_SOAK=1 (about 30 CPU-minutes)")
 def test_many_explored_schedules_hold_every_invariant():
     """The soak form of the exploration: 2000 schedules."""
