@@ -138,10 +138,6 @@ class Lifecycle:
         self.skipped_rounds = 0  # synchronous rounds that went on without a suspected neighbour (see gone)
         self.late = 0  # of which in a row (reset by a round that completed)
         self.beyond: set[str] = set()  # neighbours whose messages of the awaited rounds cannot come (see _beyond)
-        # live neighbours this node stopped waiting for, each with the newest round heard of
-        # it then (see _unreached), and the rounds in a row each was waited for in vain
-        self.unreached: dict[str, int] = {}
-        self.missed: dict[str, int] = {}
         self.node_rejected: Counter[str] = Counter()
         self.topologies: dict[tuple, Any] = {}
         self.dcs: dict[str, str] = {}  # datacenter label of every member we trained with (bytes by link class)
@@ -374,7 +370,6 @@ class Lifecycle:
                               overlap=cfg.mixing.overlap, live_sends=self.live_sends)
         self.rank, self.world_size = rank, world
         self.late = 0  # timeouts of an earlier life say nothing about this one's neighbours
-        self.unreached, self.missed = {}, {}
         self.ahead = []  # held for the node of an earlier life
         self.node = Node(self.id, members, topology, self.task, rule, node_cfg, seed=cfg.seed,
                          split=cfg.split, rank=rank, world_size=world, device=self.device, model=self.user_model,
@@ -582,7 +577,6 @@ class Lifecycle:
                 awaited = node.awaited()
                 log.info("%s: round %d timed out waiting for neighbours (%s)", self.id, node.round,
                          ", ".join(map(str, awaited)))
-                self._missed(awaited, node.round)
                 if self.late >= LATE_ROUNDS:
                     self.out_of_step(awaited)
                 return now
@@ -590,7 +584,7 @@ class Lifecycle:
                 return now
             with self.lock:
                 awaited = node.awaited()
-                if all(self.gone(e, node.round) or self._beyond(e) or self._unreached(e) for e in awaited):
+                if all(self.gone(e, node.round) or self._beyond(e) for e in awaited):
                     # mix without the dead and the suspects; a live neighbour's message is worth its wait
                     if any(e in self.membership.members and self.membership.trains_in(e, node.round)
                            for e in awaited):
@@ -604,7 +598,6 @@ class Lifecycle:
                         self.control.detector.urge(e, self.control.now)
             now = yield Poll(min(remaining, POLL))
         self.late = 0
-        self.missed = {}
         return now
 
     def gone(self, mid: str, rnd: int) -> bool:
@@ -645,43 +638,6 @@ class Lifecycle:
             log.info("%s: round %d goes on without %s: it is %s by an inbox or more (its latest round %s), and "
                      "its message of this round cannot come", self.id, node.round, mid, why,
                      node.newest_round.get(mid, "unknown"))
-        return True
-
-    def _missed(self, awaited: list[str], rnd: int) -> None:
-        """Round ``rnd`` timed out waiting for ``awaited``: a live one waited for in vain
-        :data:`LATE_ROUNDS` rounds in a row is not waited for any more (see _unreached)."""
-        self.missed = {e: self.missed.get(e, 0) + 1 for e in awaited}
-        if self.cfg.wait_for_suspects:
-            return
-        node = self.node
-        assert node is not None
-        with self.lock:
-            for e in awaited:
-                if self.missed[e] >= LATE_ROUNDS and e not in self.unreached and not self.gone(e, rnd):
-                    self.unreached[e] = node.newest_round.get(e, -1)
-                    log.warning("%s: %d rounds in a row timed out waiting for %s, which is alive: its messages do "
-                                "not reach this node (a link broken one way?); going on without it until one comes",
-                                self.id, self.missed[e], e)
-
-    def _unreached(self, mid: str) -> bool:
-        """Whether the round goes on without ``mid``, a live neighbour that
-        :data:`LATE_ROUNDS` rounds in a row timed out waiting for (unless
-        ``--wait-for-suspects``). The failure detector finds a neighbour alive through
-        the others' indirect probes when only the link between the two is broken, or
-        broken one way: each round then waited ``--timeout`` for it, and so did every
-        node of the ring behind this one (benchmarks/RESULTS.md, churn of 2026-12-07: 61
-        rounds of 5 s in a row). Waited for again as soon as any newer message of it has
-        come: a link that delivers again, or a neighbour that was merely slow, is mixed
-        with as before."""
-        if mid not in self.unreached:
-            return False
-        node = self.node
-        assert node is not None
-        if node.newest_round.get(mid, -1) > self.unreached[mid]:
-            del self.unreached[mid]
-            self.missed.pop(mid, None)
-            log.info("%s: %s's messages reach this node again (its round %d)", self.id, mid, node.newest_round[mid])
-            return False
         return True
 
     def _silent(self, m: Any) -> bool:

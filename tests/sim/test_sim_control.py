@@ -507,32 +507,17 @@ def test_a_partition_healed_under_churn_that_broke_a_lighter_probe_of_the_dead_b
     assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
 
 
-@pytest.mark.parametrize("wait", [False, True])
-def test_a_link_broken_one_way_costs_a_few_timed_out_rounds_not_one_a_round(wait, caplog):
-    """Node 1's messages to node 2 are lost from 1 s to 16 s, the other way they pass (a
-    connection that stopped delivering: the churn benchmark of 2026-12-07 saw one for 95
-    s). SWIM finds both alive through the others' indirect probes, so nobody is
-    suspected, and before, every round of the ring waited ``--timeout`` for node 1's
-    message at node 2. Now node 2 goes on without node 1 after LATE_ROUNDS rounds in a
-    row waited for it in vain, and waits for it again once its messages come
-    (Lifecycle._unreached); ``--wait-for-suspects`` keeps the old wait."""
-    from gossip.protocol.lifecycle import LATE_ROUNDS
+def test_overlapping_partitions_that_broke_a_skip_of_live_neighbours_heal_into_one_cluster(tmp_path):
+    """Seed 9110027391 (``--mixed``, dense faults, 10 nodes): partitions 1.38-4.21 s and
+    6.64-8.00 s around a restart. A rule that skipped a live neighbour after 3 rounds in a
+    row timed out waiting for it (until any newer message of it came; 1c06717, reverted)
+    left three clusters at the end: after the heal, pairs timed out, skipped and took each
+    other back over and over. Any next attempt at that rule must pass this seed."""
+    from gossip.sim import explore
 
-    steps, timeout = 1500, 2.0
-    c = SimCluster(5, steps=steps, timeout=timeout, wait_for_suspects=wait)
-    c.cut([1], [2], at=1.0, until=16.0)
-    with caplog.at_level("INFO", logger="gossip"):
-        c.run(until=200.0)
-    results = c.results()
-    assert all(r["exit"] == "done" and r["steps"] == steps for r in results)
-    timed_out = [r["timed_out_rounds"] for r in results]
-    if wait:  # every round of the cut waited --timeout: 15 s of them
-        assert min(timed_out) >= 15 / timeout - 1, timed_out
-        return
-    assert max(timed_out) <= LATE_ROUNDS + 1, timed_out
-    assert results[2]["skipped_rounds"] > 100  # it went on without node 1 ...
-    back = [r.getMessage() for r in caplog.records if "reach this node again" in r.getMessage()]
-    assert any(m.startswith(f"{node_id(2)}: {node_id(1)}'s") for m in back), back  # ... and took it back
+    s = explore.draw_churn(9110027391)
+    assert [f[1] for f in s.faults].count("partition") == 2
+    assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
 
 
 def test_a_restart_that_found_no_checkpoint_remembers_no_member(tmp_path):
