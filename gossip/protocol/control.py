@@ -942,18 +942,29 @@ class ControlPlane:
         silence. A crashed one never answers; one behind a partition that healed
         answers, and the two clusters meet again (see ``foreign`` in _control).
 
-        The hello is light (:meth:`_probe_message`): whoever answers sends its whole
-        table, and this node then sends its own (see ``probed`` in handle), a push-pull
-        with one peer for each probe answered. So a dead member costs each survivor a
-        small message every ``BACKOFF_MAX`` s, whatever the cluster's size."""
+        A training node's hello is light (:meth:`_probe_message`): whoever answers sends
+        its whole table, and this node then sends its own (see ``probed`` in handle), a
+        push-pull with one peer for each probe answered. So a dead member costs each
+        survivor a small message every ``BACKOFF_MAX`` s, whatever the cluster's size.
+        A node that waits (to join, or to start) says its whole lists: they name the
+        cluster it waits for, and a training node that reads no such cluster in a hello
+        of a waiting node takes it for a joiner of its own (explorer seed 9100027799: a
+        node excluded by its side of a partition, waiting to join that side again, sent
+        light probes across the healed partition, and the other side scheduled its join
+        too; in two clusters at once, it and another ended with a member list of their
+        own)."""
         probes = {}
         keep = BACKOFF_MAX + self.timing.dead_after  # (an answer later than that is no answer to it)
         self.probed = {mid: t for mid, t in self.probed.items() if now - t < keep}
+        light = self.progress()[0] != "waiting"
         for mid in lost:
             state = self.probes.get(mid) or [now + self.timing.dead_after, self.timing.dead_after]
             if now >= state[0]:
-                fx.sends.append((mid, self._probe_message()))
-                self.probed[mid] = now
+                if light:
+                    fx.sends.append((mid, self._probe_message()))
+                    self.probed[mid] = now
+                else:
+                    fx.sends.append((mid, self._members_message("hello")))
                 state[0] = now + state[1]
                 state[1] = min(state[1] * 2, BACKOFF_MAX)
             probes[mid] = state

@@ -350,6 +350,37 @@ def test_the_dead_are_probed_with_a_light_hello_and_whoever_answers_gets_the_who
     assert [d for d, m in big.sent[before:] if m.kind == "members" and "base" in m.extra] == []
 
 
+def test_a_waiting_node_probes_the_dead_with_its_whole_lists_so_another_cluster_does_not_schedule_its_join():
+    """A node that waits to join its side of a healed partition again probes the other
+    side with its whole lists: they name the cluster it waits for, which the answerer is
+    not in. A light hello names no cluster, and a training node takes a waiting sender
+    of one for a joiner of its own (explorer seed 9100027799: the waiting node was then
+    scheduled to join both sides, and two nodes ended with a member list of their own)."""
+    a1, a2, w, b1 = (f"10.0.0.{i}:1" for i in range(1, 5))
+    everyone = [a1, a2, w, b1]
+    big = _split(a1, everyone, [w, b1], 60)
+    small = _split(b1, everyone, [a1, a2], 80)
+    waiting = _split(w, everyone, [a1, a2], 80)
+    # excluded by its side, w waits to join it again as a new life, which b1 schedules
+    waiting.status = "waiting"
+    with waiting.cp.lock:
+        waiting.cp.new_life(2)
+        waiting.m.new_life(2, target=[b1])
+    _deliver(waiting.cp._members_message("hello"), small)
+    assert small.m.joins.get(w, 0) > 80
+    _deliver([m for d, m in small.sent if d == w and "base" in m.extra][-1], waiting)
+    assert waiting.m.started and waiting.m.eventual() == {w, b1}
+    _keep_alive(waiting, [b1], 0.0, 6.0)
+    probe = [m for d, m in waiting.sent if d == a1 and m.kind == "hello"]
+    assert probe and all({w, b1} <= set(m.extra["mids"]) and "base" in m.extra for m in probe)
+    assert waiting.cp.probed == {}  # (no light hello: its answer gets no table back)
+    _deliver(probe[0], big)
+    assert w not in big.m.joins and big.m.eventual() == {a1, a2}
+    # what the light hello would have done
+    _deliver(waiting.cp._probe_message(), big)
+    assert w in big.m.joins
+
+
 def test_a_node_that_trained_alone_joins_the_cluster_its_seed_started_without_it():
     """A seed that answers only after --join-timeout: the node trained alone meanwhile."""
     alone, s1, s2 = "10.0.0.9:1", "10.0.0.1:1", "10.0.0.2:1"

@@ -520,6 +520,21 @@ def test_overlapping_partitions_that_broke_a_skip_of_live_neighbours_heal_into_o
     assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
 
 
+def test_a_node_waiting_across_a_healed_partition_is_not_scheduled_into_both_sides(tmp_path):
+    """Seed 9100027799 (``--mixed``, dense faults, 16 nodes, fanout 1): two overlapping
+    partitions, the second healing at 8.00 s. Nodes 5 and 12 were on the smaller side
+    both times; excluded by their side, they waited to join it again and probed the other
+    side's nodes, declared dead, with a light hello (7e1428a). It named no cluster, so the
+    other side scheduled their joins too; they ended with a member list of their own, and
+    every round of the ring timed out to the end. A waiting node's probe says its whole
+    lists (ControlPlane._probe)."""
+    from gossip.sim import explore
+
+    s = explore.draw_churn(9100027799)
+    assert s.n == 16 and s.fanout == 1 and [f[1] for f in s.faults].count("partition") == 2
+    assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
+
+
 def test_a_restart_that_found_no_checkpoint_remembers_no_member(tmp_path):
     """Seed 8002024047 (``--mixed``, a dense-fault schedule, 6 nodes): node 4 came back
     without a checkpoint, seeded only with node 5, which then crashed for good; nodes 0
