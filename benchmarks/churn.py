@@ -20,7 +20,17 @@ and steps, how each last life started (joined with a neighbour's state or not),
 the members at the end, the rounds that timed out, and the final accuracy
 against the clean run's.
 
-    python benchmarks/churn.py [--faults 40] [--every 15] [--down 2] [--seed 0]
+    python benchmarks/churn.py [--faults 40] [--every 15] [--down 2] [--seed 0] [--matched]
+
+``--matched`` adds a third run that tells the protocol's cost from this machine's: the
+clean cluster again, and at each kill's restart time a process that does a restarted
+node's start-up work and no more (a fresh interpreter imports ``gossip.cli`` and
+torch, builds the task's model and optimizer, takes one step, exits: about 4 CPU
+seconds, half of them torch._dynamo, which the first ``optimizer.step`` imports). When
+every node shares one machine, those seconds come out of the others' training; on a
+cluster of machines, a restarted node's start-up costs the others nothing. Reported
+as ``goodput_matched`` (that run's time over the churn run's) beside ``goodput``, with
+the twins' CPU seconds (``startup_cpu_s``, median and total).
 
 ``--mixed`` (8 nodes, a fault every 10 s, 60 faults: 10 minutes) draws the faults
 from four kinds (each once in every four, in a seeded order), each proven as it is
@@ -50,6 +60,7 @@ import math
 import os
 import random
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -64,6 +75,23 @@ DEAD_AFTER = 2.0  # the nodes' --dead-after (the stops of --mixed are measured a
 FLAGS = ["--topology", "ring", "--task", "synthetic", "--json", "--dead-after", f"{DEAD_AFTER:g}",
          "--checkpoint-every", "200"]
 KINDS = ("kill", "stop-long", "stop-short", "partition")  # --mixed draws from these
+# a restarted node's start-up work and no more (--matched): the node's imports, the task's
+# model and optimizer, one step (the first optimizer.step imports torch._dynamo); its CPU
+# seconds on the last line
+STARTUP_TWIN = (
+    "import resource, sys, torch\n"
+    "import gossip.cli\n"
+    "from gossip.training.tasks import get_task\n"
+    "torch.set_num_threads(1)\n"
+    "task = get_task('synthetic')\n"
+    "model = task.model()\n"
+    "opt = task.optimizer(model.parameters())\n"
+    "batch = task.stream(0, 1, 'iid', 0).next()\n"
+    "task.loss(model, batch).backward()\n"
+    "opt.step()\n"
+    "u = resource.getrusage(resource.RUSAGE_SELF)\n"
+    "print(f'cpu {u.ru_utime + u.ru_stime:.3f}')\n"
+)
 
 
 def _checkpoint_step(directory: Path) -> int:
@@ -127,13 +155,15 @@ def calibrate(work: Path, n: int, extra: list[str], window: float = 8.0) -> tupl
 
 def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts: int = 0, every: float = 15.0,
         down: float = 2.0, seed: int = 0, timeout: float = 1800.0, kinds: list[str] | None = None,
-        mixed: tuple[float, float] | None = None) -> dict:
+        mixed: tuple[float, float] | None = None, twins: bool = False) -> dict:
     """One run of ``steps`` steps; with ``restarts``, kill and restart nodes as described
     above; with ``kinds``, one fault of each kind in turn (``--mixed``). ``mixed`` =
     (lead, partition seconds) labels the nodes' datacenters and emulates their links
     (without ``kinds``: the clean run's emulator, no outage): fault k comes ``lead + k *
     every`` seconds after the processes are started, and the partitions' windows are
-    fixed before they start (every node counts them from the same moment)."""
+    fixed before they start (every node counts them from the same moment). With
+    ``twins``, a kill kills nothing: ``down`` s after its time a start-up twin
+    (:data:`STARTUP_TWIN`) runs beside the untouched cluster (``--matched``)."""
     ports = [free_port() for _ in range(n)]
     ck = work / name
     rng = random.Random(seed)
@@ -150,6 +180,10 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
         flags = _mixed_flags(i, n, windows, origin) if mixed is not None else []
         return _args(ports, i, steps, ck, [*extra, *flags, *more])
 
+    twin_script = work / "startup_twin.py"
+    started_twins: list[NodeProc] = []
+    if twins:
+        twin_script.write_text(STARTUP_TWIN)
     with Cluster(work) as c:
         current: list[NodeProc] = [c.start(f"{name}{i}.0", node_args(i, []), port=ports[i]) for i in range(n)]
         for x in current:
@@ -166,11 +200,24 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
             victim = current[i]
             if victim.proc.poll() is not None:  # it finished: the run is ending
                 break
-            if _cluster_step(ck, n) >= 0.9 * steps:  # too late to come back: the others finish first
+            done = _cluster_step(ck, n)
+            if done >= 0.9 * steps:  # too late to come back: the others finish first
+                break
+            # (the same for a kill when, at the pace of this run so far, the others finish before
+            # a restarted node could be back: twice this run's start-up after ``down``; the pace of
+            # the calibration, under another load, said nothing of it: a life restarted that late
+            # found its cluster finished, in the suite on a loaded machine)
+            pace = done / max(time.monotonic() - started, 1e-9)
+            if kind == "kill" and pace > 0 and (steps - done) / pace < down + 2 * (started - spawned):
                 break
             at = round(time.monotonic() - started, 2)
             at_step = _checkpoint_step(ck / f"n{i}")
-            if kind == "kill":
+            if kind == "kill" and twins:  # the restart's start-up, and no kill
+                time.sleep(down)
+                lives += 1
+                started_twins.append(c.start(f"{name}{i}.twin{lives}", [], script=twin_script))
+                faults.append({"kind": "twin", "node": i, "at_s": at})
+            elif kind == "kill":
                 victim.proc.send_signal(signal.SIGKILL)
                 code = victim.proc.wait(30)
                 time.sleep(down)
@@ -200,6 +247,13 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
             except Exception:
                 codes.append(None)
         elapsed = time.monotonic() - started
+        twin_cpu = []
+        for x in started_twins:
+            x.wait(120)
+            line = x.out.read_text().strip().splitlines()[-1:] or [""]
+            if x.proc.returncode != 0 or not line[0].startswith("cpu "):
+                raise RuntimeError(f"a start-up twin failed (exit {x.proc.returncode}):\n{x.log()[-2000:]}")
+            twin_cpu.append(float(line[0].split()[1]))
         summaries = []
         for x in current:
             try:
@@ -212,19 +266,21 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
             if f["kind"] == "stop-long":
                 f["logged_stall"] = "this node stalled for" in logs[f["life"]]
     return {"elapsed_s": elapsed, "exit_codes": codes, "faults": faults, "summaries": summaries,
-            "timed_out_rounds": timeouts}
+            "timed_out_rounds": timeouts, "twin_cpu_s": twin_cpu}
 
 
 def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, down: float = 2.0, seed: int = 0,
           tail: float = 20.0, extra: list[str] | None = None, steps: int | None = None,
           clean_run: bool = True, calibration: tuple[float, float] | None = None, mixed: bool = False,
-          partition_s: float = 4.0) -> dict:
+          partition_s: float = 4.0, matched: bool = False) -> dict:
     """Calibrate, then a clean and a churn run of the same steps; returns the figures.
     ``steps`` skips the calibration; so does ``calibration``, the (rate, start-up) that
     :func:`calibrate` measured before for the same ``n`` and ``extra`` (the tests measure
     it once for several runs); without ``clean_run`` only the churn run is made
     (a diagnosis: goodput and the accuracy change are then None). With ``mixed``,
-    ``restarts`` faults drawn from :data:`KINDS` (seeded) instead of kills only."""
+    ``restarts`` faults drawn from :data:`KINDS` (seeded) instead of kills only. With
+    ``matched``, a third run: the clean cluster beside a start-up twin at each kill's
+    restart time (``goodput_matched``; see the module's docstring)."""
     extra = list(extra or [])
     rate = startup = None
     lead = 0.0  # (--mixed: when the first fault comes, counted from the processes' launch)
@@ -245,6 +301,9 @@ def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, do
     clean = run(work, "clean", n, steps, extra, mixed=plan) if clean_run else None
     faulty = run(work, "churn", n, steps, extra, restarts=restarts, every=every, down=down, seed=seed, kinds=kinds,
                  mixed=plan)
+    # (the same seed: the twins come at the kills' times, as far as the run lasts)
+    twin = run(work, "twins", n, steps, extra, restarts=restarts, every=every, down=down, seed=seed, kinds=kinds,
+               mixed=plan, twins=True) if matched else None
     if clean is None:
         clean = {"elapsed_s": math.nan, "summaries": [{}], "timed_out_rounds": None}
     acc_clean = [s.get("final_accuracy") for s in clean["summaries"]]
@@ -266,6 +325,12 @@ def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, do
         "every_s": every, "down_s": down, "seed": seed,
         "goodput": clean["elapsed_s"] / faulty["elapsed_s"],
         "clean_s": clean["elapsed_s"], "churn_s": faulty["elapsed_s"],
+        "goodput_matched": twin["elapsed_s"] / faulty["elapsed_s"] if twin is not None else None,
+        "matched_s": twin["elapsed_s"] if twin is not None else None,
+        "twins": len(twin["twin_cpu_s"]) if twin is not None else None,
+        "startup_cpu_s": {"median": statistics.median(twin["twin_cpu_s"]), "total": sum(twin["twin_cpu_s"])}
+        if twin is not None and twin["twin_cpu_s"] else None,
+        "timed_out_rounds_matched": twin["timed_out_rounds"] if twin is not None else None,
         "exit_codes": faulty["exit_codes"],
         "kill_exit_codes": sorted({k["exit"] for k in applied if k.get("kind", "kill") == "kill"}),
         "steps_at_end": [s.get("steps") for s in last],
@@ -298,6 +363,9 @@ def main() -> None:
     ap.add_argument("--keep", metavar="DIR", help="keep the logs and checkpoints in DIR")
     ap.add_argument("--steps", type=int, help="steps per node (default: measured, to last the churn)")
     ap.add_argument("--churn-only", action="store_true", help="no clean run (a diagnosis: no goodput)")
+    ap.add_argument("--matched", action="store_true",
+                    help="a third run: the clean cluster beside a restart's start-up work at each kill's time "
+                         "(goodput_matched: what the restarts cost beyond this machine's shared CPU)")
     args = ap.parse_args()
     n = args.nodes or (8 if args.mixed else 5)
     faults = args.faults if args.faults is not None else (60 if args.mixed else 40)
@@ -305,18 +373,26 @@ def main() -> None:
     for name, value in (("--nodes", n), ("--faults", faults)):
         if value < (2 if name == "--nodes" else 0):
             ap.error(f"{name} must be at least {2 if name == '--nodes' else 0}, got {value}")
+    if args.matched and args.mixed:
+        ap.error("--matched compares kills only (not with --mixed)")
+    if args.matched and args.churn_only:
+        ap.error("--matched needs the clean run (not with --churn-only)")
     if not (every > 0 and args.down >= 0 and args.partition_s > 0):
         ap.error("--every and --partition-s must be positive, --down at least 0")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         r = churn(work, n=n, restarts=faults, every=every, down=args.down, seed=args.seed, steps=args.steps,
-                  clean_run=not args.churn_only, mixed=args.mixed, partition_s=args.partition_s)
+                  clean_run=not args.churn_only, mixed=args.mixed, partition_s=args.partition_s,
+                  matched=args.matched)
     what = f"{sum(r['faults'].values())} faults ({r['faults']})" if r["mixed"] else f"{r['restarts']} restarts"
     print(f"churn: {what}, one every {r['every_s']:g} s, {r['steps']} steps: goodput "
           f"{r['goodput']:.3f} (clean {r['clean_s']:.1f} s, churn {r['churn_s']:.1f} s); slowest stretch between "
           f"two steps {r['max_step_gap_s']:.2f} s; steps at the end {r['steps_at_end']}; members {r['members_at_end']}"
           f"; rounds timed out {r['timed_out_rounds']}; accuracy change {r['accuracy_change_pts']} pts")
+    if r["goodput_matched"] is not None:
+        print(f"matched: the clean cluster beside {r['twins']} restarts' start-up work ({r['startup_cpu_s']} CPU s) "
+              f"took {r['matched_s']:.1f} s: goodput against it {r['goodput_matched']:.3f}")
     print(json.dumps(r, default=str))
 
 

@@ -522,6 +522,13 @@ def _churn(tmp_path, restarts: int, every: float, clean_run: bool, calibration: 
                  calibration=calibration)
 
 
+def _slack(calibration: tuple[float, float]) -> tuple[float, float]:
+    """The ring's calibration with twice its rate: runs twice as many steps as the faults
+    need at the rate measured, so that every fault still fits when the load the rate was
+    measured under lifts (a run on a loaded machine ended before its last fault)."""
+    return 2 * calibration[0], calibration[1]
+
+
 def _check_churn(r: dict) -> None:
     n = r["nodes"]
     assert r["restarts"] >= 1 and r["kill_exit_codes"] == [-signal.SIGKILL], r["kills"]
@@ -543,7 +550,7 @@ def test_a_cluster_under_churn_keeps_training_and_every_restart_joins(tmp_path, 
     five finish together with five members. Under sustained churn the cluster used to
     wedge: see protocol/test_control's schedule tests for the causes."""
     _check_churn(_churn(tmp_path, restarts=8 if os.environ.get("GOSSIP_SOAK") else 4, every=6.0, clean_run=False,
-                        calibration=five_node_ring))
+                        calibration=_slack(five_node_ring)))
 
 
 @pytest.mark.slow
@@ -558,7 +565,7 @@ def test_a_cluster_under_mixed_faults_finishes_as_one_cluster_and_each_fault_is_
     from benchmarks.churn import KINDS, churn
 
     r = churn(tmp_path, restarts=4, every=6.0, down=2.0, seed=1, tail=15.0, clean_run=False,
-              calibration=five_node_ring, mixed=True, partition_s=4.0)
+              calibration=_slack(five_node_ring), mixed=True, partition_s=4.0)
     n = r["nodes"]
     assert r["faults"] == {kind: 1 for kind in KINDS}, r["faults_applied"]
     assert r["kill_exit_codes"] == [-signal.SIGKILL]
@@ -567,6 +574,28 @@ def test_a_cluster_under_mixed_faults_finishes_as_one_cluster_and_each_fault_is_
     assert r["exit_codes"] == [0] * n, r
     assert r["steps_at_end"] == [r["steps"]] * n, r
     assert r["members_at_end"] == [n] * n, r
+
+
+@pytest.mark.slow
+def test_start_up_twins_do_a_restarts_start_up_beside_a_cluster_they_leave_untouched(tmp_path, five_node_ring,
+                                                                                      monkeypatch):
+    """benchmarks/churn.py --matched's third run in a bounded form: at each kill's time
+    nothing is killed; ``down`` s later a fresh process does a restarted node's start-up
+    work (imports, the task's model and optimizer, one step) beside the cluster and
+    reports its CPU seconds. The five nodes train on as one cluster to the last step."""
+    from benchmarks.churn import run
+
+    monkeypatch.setenv("GOSSIP_TEST_FORK", "0")  # (twins pay their imports, as in the benchmark)
+    rate, startup = _slack(five_node_ring)
+    every = max(3.0, 2.5 * startup)
+    r = run(tmp_path, "twins", 5, int(rate * (every + 10.0)), [], restarts=1, every=every, down=1.0, seed=1,
+            twins=True)
+    assert [f["kind"] for f in r["faults"]] == ["twin"], r["faults"]
+    assert len(r["twin_cpu_s"]) == 1 and r["twin_cpu_s"][0] > 0.3, r["twin_cpu_s"]  # (import torch alone: ~2 s here)
+    assert r["exit_codes"] == [0] * 5, r
+    steps = {s["steps"] for s in r["summaries"]}
+    assert len(steps) == 1 and not any(s["joined"] for s in r["summaries"]), r["summaries"]
+    assert [s["members"] for s in r["summaries"]] == [5] * 5
 
 
 @pytest.mark.slow
