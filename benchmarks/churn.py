@@ -26,7 +26,7 @@ against the clean run's.
 clean cluster again, and at each kill's restart time a process that does a restarted
 node's start-up work and no more (a fresh interpreter imports ``gossip.cli`` and
 torch, builds the task's model and optimizer, takes one step, exits: about 4 CPU
-seconds, half of them torch._dynamo, which the first ``optimizer.step`` imports). When
+seconds, nearly half of them ``torch._dynamo``, which ``torch.optim`` imports). When
 every node shares one machine, those seconds come out of the others' training; on a
 cluster of machines, a restarted node's start-up costs the others nothing. Reported
 as ``goodput_matched`` (that run's time over the churn run's) beside ``goodput``, with
@@ -76,10 +76,9 @@ FLAGS = ["--topology", "ring", "--task", "synthetic", "--json", "--dead-after", 
          "--checkpoint-every", "200"]
 KINDS = ("kill", "stop-long", "stop-short", "partition")  # --mixed draws from these
 # a restarted node's start-up work and no more (--matched): the node's imports, the task's
-# model and optimizer, one step (the first optimizer.step imports torch._dynamo); its CPU
-# seconds on the last line
+# model and optimizer (which imports torch._dynamo), one step; its CPU seconds on the last line
 STARTUP_TWIN = (
-    "import resource, sys, torch\n"
+    "import resource, torch\n"
     "import gossip.cli\n"
     "from gossip.training.tasks import get_task\n"
     "torch.set_num_threads(1)\n"
@@ -206,9 +205,9 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
             # (the same for a kill when, at the pace of this run so far, the others finish before
             # a restarted node could be back: twice this run's start-up after ``down``; the pace of
             # the calibration, under another load, said nothing of it: a life restarted that late
-            # found its cluster finished, in the suite on a loaded machine)
+            # found its cluster finished, in the suite on a loaded machine. A twin joins nothing)
             pace = done / max(time.monotonic() - started, 1e-9)
-            if kind == "kill" and pace > 0 and (steps - done) / pace < down + 2 * (started - spawned):
+            if kind == "kill" and not twins and pace > 0 and (steps - done) / pace < down + 2 * (started - spawned):
                 break
             at = round(time.monotonic() - started, 2)
             at_step = _checkpoint_step(ck / f"n{i}")
