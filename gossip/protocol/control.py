@@ -10,6 +10,16 @@ and tells everyone. It keeps saying hello to members declared dead, so that the
 two halves of a partition that healed meet again: then the smaller cluster's
 members join the larger one as new lives (see ``foreign`` in ``_control``).
 
+A sender's word counts only once this node has reason to take it: it is a member
+(or was one: a member declared dead, one that left), or it proved that it receives at
+its address. A sender with neither gets a light ``hello`` carrying a token (``tok``,
+a keyed hash of the sender's id: only whoever receives at that address learns it),
+and its message changes nothing; a message that sends the token back (``echo``)
+proves the address, and counts. Each side asks only while it does not know the other,
+so tokens cost a round trip at a first contact and nothing in steady traffic. A
+stranger that makes up ids, or lists of them, without receiving at those addresses,
+cannot become a member nor make anyone one (see docs/PROTOCOL.md, "Strangers").
+
 Every field of every control message is checked before use; a bad one is
 counted and logged once per peer and reason, and changes nothing. State
 messages (and state requests and replies) from a sender that is not a member
@@ -20,10 +30,14 @@ cycling through made-up ids cannot grow this node's memory.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import itertools
 import logging
 import math
 import random
+import secrets
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -52,6 +66,11 @@ MAX_MEMBERS = wire.MAX_LIST  # entries in one list of a control message (SWIM re
 MAX_AGREE_BYTES = MAX_MEMBERS // 8  # an agreement bitmap: a bit per member, as many as a member list holds
 MAX_DIFFERING = 64  # digests, and members, whose difference from this node's anti-entropy times (see _reconcile)
 BACKOFF_MAX = 8.0  # seconds between hellos to a seed that does not answer or a member declared dead, at most
+MAX_PROVEN = 16_384  # ids that proved their address kept (the oldest go first)
+MAX_CHALLENGED = 256  # senders not proven yet that this node has sent its token to, at once
+CHALLENGE_RATE = 10.0  # tokens a second, at most, to senders this node has no reason to expect (burst: twice)
+MAX_GREETED = 4096  # ids this node said hello to unasked (seeds, the members a restart remembers) kept
+TOKEN_CHARS = 64  # the longest token accepted
 
 
 def _str_list(x: dict, key: str, limit: int = MAX_MEMBERS, min_len: int = 1) -> list[str] | None:
@@ -198,6 +217,8 @@ class ControlPlane:
         halves of a partition that healed, or clusters started apart, meet
     clock : when given, read on every incoming message, so a message is timed when
         it is handled (otherwise ``now`` is the last tick's time)
+    secret : the key of this node's tokens (default: random, per process; a simulated
+        peer passes one of its own, so that a run replays exactly)
     detector : the failure detector, or its name (``"swim"``, the default
         (:data:`~gossip.protocol.detector.DEFAULT_DETECTOR`): :class:`~gossip.protocol.swim_detector.SwimDetector`;
         ``"heartbeat"``: :class:`~gossip.protocol.detector.HeartbeatDetector`, every member pings
@@ -209,8 +230,20 @@ class ControlPlane:
                  progress: Callable[[], tuple[str, int, int]], *, timing: Timing,
                  seeds: tuple[str, ...] = (), reconnect: Callable[[str], None] | None = None,
                  excluded: Callable[[int, str], None] | None = None,
-                 clock: Callable[[], float] | None = None, detector: FailureDetector | str | None = None) -> None:
+                 clock: Callable[[], float] | None = None, detector: FailureDetector | str | None = None,
+                 secret: bytes | None = None) -> None:
         self.id, self.incarnation, self.fingerprint, self.dc = node_id, incarnation, fingerprint, dc
+        # first contacts (see _admit): the key of this process's tokens, the ids that proved
+        # their address, the token each peer that does not know this node asked it to send
+        # back, the senders sent a token (when, whether their refused message was a hello),
+        # the ids said hello to unasked, and the budget of tokens to senders nobody expects
+        self._key = secret if secret is not None else secrets.token_bytes(16)
+        self.proven: dict[str, None] = {}
+        self.asked: dict[str, str] = {}
+        self.challenged: dict[str, tuple[float, bool]] = {}
+        self.greeted: dict[str, float] = {}
+        self.unproven = 0  # control messages that changed nothing: their sender had not proved its address
+        self._allowance = (2 * CHALLENGE_RATE, -math.inf)
         self.m = membership
         self.lock = lock
         self.send = send
@@ -265,15 +298,17 @@ class ControlPlane:
         membership.suspected = self.detector.suspected  # (see Membership.round_now)
 
     # -- helpers ---------------------------------------------------------------------------
-    def reject(self, peer: str, reason: str, detail: str = "", *, count: bool = True) -> None:
+    def reject(self, peer: str, reason: str, detail: str = "", *, count: bool = True, once: bool = False) -> None:
         """Count a refused message under ``reason`` (unless ``count`` is False: counted
-        elsewhere) and log it once per peer and reason."""
+        elsewhere) and log it once per peer and reason (``once``: once per reason, the
+        first peer named)."""
+        key = ("", reason) if once else (peer, reason)
         with self._reject_lock:
             if count:
                 self.rejected[reason] += 1
-            if (peer, reason) in self._logged or len(self._logged) >= MAX_LOGGED:
+            if key in self._logged or len(self._logged) >= MAX_LOGGED:
                 return
-            self._logged.add((peer, reason))
+            self._logged.add(key)
         log.warning("%s: rejected a message from %s: %s%s", self.id, peer[:64], reason,
                     f" ({detail})" if detail else "")
 
@@ -284,6 +319,107 @@ class ControlPlane:
         if replace or peer not in self.conflicts:
             self.conflicts[peer] = why
         return True
+
+    # -- first contacts ----------------------------------------------------------------------
+    def token(self, peer: str) -> str:
+        """This process's token for ``peer``: only a node that receives at ``peer``'s address
+        learns it, so a message that sends it back comes from there."""
+        return hashlib.blake2b(peer.encode(errors="replace"), key=self._key, digest_size=8).hexdigest()
+
+    def vouched(self, peer: str) -> bool:
+        """Whether ``peer``'s word counts without a token: a member (admitted on a member's
+        word or its own), a member declared dead or gone, or an id that proved its address."""
+        m = self.m
+        return peer in m.members or peer in self.proven or peer in m.dead or peer in m.departed
+
+    def _expected(self, peer: str) -> bool:
+        """Whether this node has a reason to hear from ``peer`` before it counts: a seed, an
+        id it said hello to, a member declared dead that it probes."""
+        return peer in self.seeds or peer in self.greeted or peer in self.probes
+
+    def _stamped(self, dst: str, msg: Message) -> Message:
+        """``msg`` as it goes to ``dst``: with this node's token for ``dst`` while ``dst``
+        has not proved its address here, and the token ``dst`` asked this node to send back
+        while it asks."""
+        tok = None if self.vouched(dst) else self.token(dst)
+        echo = self.asked.get(dst)
+        if tok is None and echo is None:
+            return msg
+        x = dict(msg.extra)
+        if tok is not None:
+            x["tok"] = tok
+        if echo is not None:
+            x["echo"] = echo
+        return dataclasses.replace(msg, extra=x)
+
+    def _admit(self, peer: str, msg: Message) -> Message | None:
+        """``msg`` (a control message) if its sender's word counts (:meth:`vouched`), or if
+        it sends this node's token back (then ``peer`` proved its address). Otherwise None:
+        ``peer`` gets a light hello with the token (at most once a heartbeat, to at most
+        :data:`MAX_CHALLENGED` senders at once, from a budget of :data:`CHALLENGE_RATE` a
+        second for senders this node has no reason to expect), and the message changes
+        nothing. A sender whose refused message was a hello answers the token with its
+        member list: that list counts as the hello it stands for (a joiner's join is
+        scheduled on it, not a seed retry later)."""
+        x = msg.extra
+        tok, echo = x.pop("tok", None), x.pop("echo", None)
+        if tok is not None and not (isinstance(tok, str) and 0 < len(tok) <= TOKEN_CHARS):
+            self.reject(peer, "token", "a token that is not a short string")
+            return None
+        with self.lock:
+            vouched = self.vouched(peer)
+            if not vouched and isinstance(echo, str) and hmac.compare_digest(echo.encode(errors="replace"),
+                                                                             self.token(peer).encode()):
+                if len(self.proven) >= MAX_PROVEN:
+                    del self.proven[next(iter(self.proven))]
+                self.proven[peer] = None
+                vouched = True
+                challenge = self.challenged.pop(peer, None)
+                if challenge is not None and challenge[1] and msg.kind == "members":
+                    msg = dataclasses.replace(msg, kind="hello")
+            if vouched:
+                if tok is None:
+                    self.asked.pop(peer, None)  # (it knows this node now)
+                elif peer in self.asked or len(self.asked) < MAX_PROVEN:
+                    self.asked[peer] = tok
+                return msg
+        # (its fields are not read: a flood of made-up lists costs their decoding only)
+        self.unproven += 1  # (not a rejection: every first contact of an honest peer is one)
+        if msg.kind == "bye":
+            return None
+        now = self.now
+        last = self.challenged.get(peer)
+        if last is not None and now - last[0] < self.timing.heartbeat:
+            return None  # asked a moment ago
+        if last is None and len(self.challenged) >= MAX_CHALLENGED:
+            return None  # (they expire in tick)
+        if not self._expected(peer):
+            # a sender nobody expects: from a budget, so that a flood of made-up ids costs a
+            # few connections a second, not one a message
+            allowance, since = self._allowance
+            allowance = min(2 * CHALLENGE_RATE, allowance + (now - since) * CHALLENGE_RATE)
+            if allowance < 1:
+                self._allowance = (allowance, now)
+                return None
+            self._allowance = (allowance - 1, now)
+        self.challenged[peer] = (now, msg.kind == "hello" or (last is not None and last[1]))
+        reply = self._probe_message()
+        extra = {**reply.extra, "tok": self.token(peer)}
+        if tok is not None:
+            extra["echo"] = tok
+        self.send(peer, dataclasses.replace(reply, extra=extra))
+        return None
+
+    def _expire_contacts(self, now: float, fx: Effects) -> None:
+        """Forget the senders that never sent their token back within ``dead_after`` (and
+        close the connections this node opened to them), and the ids said hello to
+        unasked ``join_timeout`` ago."""
+        old = [p for p, (t, _) in self.challenged.items() if now - t > self.timing.dead_after]
+        for p in old:
+            del self.challenged[p]
+        with self.lock:
+            self.greeted = {p: t for p, t in self.greeted.items() if now - t <= self.timing.join_timeout}
+            fx.reconnect += [p for p in old if not self.vouched(p) and not self._expected(p) and p != self.id]
 
     def _message(self, kind: str, **extra: Any) -> Message:
         status, rnd, step = self.progress()
@@ -502,8 +638,11 @@ class ControlPlane:
                 return
             self.to_node(msg)  # the node thread checks membership, fingerprint, payload
             return
+        admitted = self._admit(peer, msg)
+        if admitted is None:
+            return
         try:
-            effects = self.handle(msg, self.now)
+            effects = self.handle(admitted, self.now)
         except (ValueError, TypeError, KeyError) as e:
             self.reject(peer, "control", f"bad field {e}")
             return
@@ -517,14 +656,13 @@ class ControlPlane:
         for mid in fx.reconnect if self.reconnect is not None else ():
             # a connection that kept retrying a dead life backs off for seconds: start afresh
             self.reconnect(mid)
-        for dst, msg in fx.sends:
-            self.send(dst, msg)
-        if fx.broadcasts:
-            with self.lock:
+        with self.lock:  # (the tokens: see _stamped)
+            sends = [(dst, self._stamped(dst, msg)) for dst, msg in fx.sends]
+            if fx.broadcasts:
                 others = self.m.others()
-            for msg in fx.broadcasts:
-                for peer in others:
-                    self.send(peer, msg)
+                sends += [(peer, self._stamped(peer, msg)) for msg in fx.broadcasts for peer in others]
+        for dst, msg in sends:
+            self.send(dst, msg)
 
     def handle(self, msg: Message, now: float) -> Effects:
         """One control message (hello, members, ping, pong, bye, swim) from ``msg.sender`` at
@@ -852,6 +990,7 @@ class ControlPlane:
             self._probe(now, lost, fx)
         if self.excluded_by and now - self.excluded_since >= 1.5 * self.timing.dead_after:
             self._judge_exclusion(now, fx)
+        self._expire_contacts(now, fx)
         return fx
 
     def _news(self, fx: Effects, since: int, now: float, *, at_once: bool = False) -> None:
@@ -1000,6 +1139,11 @@ class ControlPlane:
 
     def hello_all(self, peers: list[str]) -> Effects:
         """A hello (with this node's member list) to each of ``peers``."""
+        with self.lock:
+            for p in peers:
+                if p not in self.greeted and len(self.greeted) >= MAX_GREETED:
+                    break
+                self.greeted[p] = self.now
         return Effects(sends=[(p, self._members_message("hello")) for p in peers])
 
     def goodbye(self, reason: str) -> Effects:

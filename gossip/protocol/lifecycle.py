@@ -87,6 +87,8 @@ class Lifecycle:
     origin : the driver time the node program counts from
     clock : the driver's clock, which the control plane reads when a message arrives
         (the one the driver answers with; see :class:`~gossip.protocol.control.ControlPlane`)
+    secret : the key of the control plane's tokens (default: random; a simulated peer's is
+        its own, so that a run replays exactly)
     """
 
     def __init__(self, cfg: PeerConfig, *, task: Any, device: torch.device, fingerprint: str, incarnation: int,
@@ -94,7 +96,7 @@ class Lifecycle:
                  new_incarnation: Callable[[int], int], live_sends: bool = False,
                  origin: float = 0.0, clock: Callable[[], float] | None = None,
                  model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, secret: bytes | None = None) -> None:
         self.cfg = cfg
         self.id = cfg.node_id
         self.task, self.device, self.fingerprint = task, device, fingerprint
@@ -114,7 +116,7 @@ class Lifecycle:
                                     self._to_node, self.progress, timing=cfg.timing,
                                     seeds=tuple(parse_address(p) for p in cfg.peers), reconnect=reconnect,
                                     excluded=self.on_excluded, clock=clock,
-                                    detector=cfg.detector)
+                                    detector=cfg.detector, secret=secret)
         self.to_node: Callable[[Message], None] = self.handle  # the real driver queues them for its thread
         self.status = "waiting"
         self.node: Node | None = None

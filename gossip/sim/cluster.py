@@ -350,7 +350,8 @@ class SimCluster:
                            send=lambda dst, msg, p=p: self._send(p, dst, msg, False),
                            reconnect=lambda peer: None, origin=local(self.now), clock=lambda: local(self.now),
                            new_incarnation=lambda prev, p=p: self._new_life(p, prev),
-                           model=None if group is None else ShardModule(group.views[0].flat))
+                           model=None if group is None else ShardModule(group.views[0].flat),
+                           secret=f"{p.id}/{first}".encode())
         p.life.audit = True  # record the states handed over and taken (gossip.sim.explore checks them)
         p.life.on_node = lambda node, p=p: self._audit_mixing(p, node)
         if group is None:

@@ -41,7 +41,7 @@ from gossip.core.message import Message
 
 __all__ = ["TAG", "VERSION", "KINDS", "WireError", "encode", "decode", "message_size", "same_header_size", "header_of"]
 
-VERSION = 2
+VERSION = 3
 PREFIX = b"GSP/"
 TAG = PREFIX + str(VERSION).encode()
 KINDS = frozenset({"state", "hello", "members", "ping", "pong", "bye", "state-request", "state-reply",

@@ -62,7 +62,8 @@ def _nbytes(frame: Any) -> int:
 
 
 MAX_HELD = 64  # messages held per peer while its connection comes up
-HOLD_POLL = 0.01  # seconds between tries to send them
+HOLD_POLL = 0.01  # seconds before the first try to send them again
+HOLD_POLL_MAX = 0.16  # ... doubling after each try in vain, up to this (an address that never answers costs little)
 
 # ROUTER connection events worth counting: how connections end, and handshakes that fail
 _EVENT_NAMES = {zmq.EVENT_DISCONNECTED: "disconnected", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake-failed-auth",
@@ -128,6 +129,7 @@ class ZmqTransport:
         self._delayed: list[tuple[float, int, str, Any, bool]] = []  # (release, seq, dst, frames, droppable)
         self.hold_control = hold_control
         self._held: dict[str, list[tuple[float, list]]] = {}  # dst -> messages waiting for a connection
+        self._held_retry: dict[str, tuple[float, float]] = {}  # dst -> (next try, the wait after it)
         self._opened: dict[str, float] = {}  # dst -> when its connection was opened (clock)
         self._delay_seq = 0
         self.emulated_losses = 0
@@ -281,6 +283,7 @@ class ZmqTransport:
                 if s is not None:
                     s.close(0)
                 self.dropped[dst] += len(self._held.pop(dst, ()))
+                self._held_retry.pop(dst, None)
                 continue
             droppable = not isinstance(frames, _Control)
             if not droppable:
@@ -332,8 +335,15 @@ class ZmqTransport:
             log.warning("%s: send to %s failed: %s", self.node_id, dst, e)
 
     def _retry_held(self, now: float) -> None:
-        """Send held messages once their connection is up; drop expired ones."""
+        """Send held messages once their connection is up; drop expired ones. Each
+        destination is tried again after HOLD_POLL, then twice as long after each try in
+        vain (up to HOLD_POLL_MAX): a connection that comes up is used within a few tries,
+        and an address where nobody listens (a stranger's made-up id) is not tried a
+        hundred times a second (each try creates frames pyzmq's collector thread frees)."""
         for dst in list(self._held):
+            next_try, wait = self._held_retry.get(dst, (now, HOLD_POLL))
+            if now < next_try:
+                continue
             held = self._held[dst]
             s = self._dealers.get(dst)
             while held and s is not None:
@@ -356,6 +366,9 @@ class ZmqTransport:
                 held.clear()
             if not held:
                 del self._held[dst]
+                self._held_retry.pop(dst, None)
+            else:
+                self._held_retry[dst] = (now + wait, min(2 * wait, HOLD_POLL_MAX))
 
     def _count(self, counter: Counter[str], key: str, n: int) -> None:
         # a key per routing id would let a sender cycling ids grow the counter without bound
@@ -383,8 +396,10 @@ class ZmqTransport:
         try:
             while self._running.is_set():
                 wake_at = min(next_tick, self._delayed[0][0]) if self._delayed else next_tick
-                if self._held:
-                    wake_at = min(wake_at, self.clock() + HOLD_POLL)  # held messages: the connection may be up
+                if self._held:  # held messages: the connection may be up by the next try
+                    now = self.clock()
+                    wake_at = min(wake_at, min((self._held_retry.get(d, (now + HOLD_POLL,))[0] for d in self._held),
+                                               default=now + HOLD_POLL))
                 timeout = max(0.0, wake_at - self.clock())
                 events = dict(poller.poll(int(timeout * 1000) + 1))
                 if self._delayed and self._delayed[0][0] <= self.clock():

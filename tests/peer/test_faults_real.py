@@ -262,18 +262,29 @@ def test_a_node_whose_cluster_has_finished_does_not_wait_for_a_join_round():
     stop = threading.Event()
 
     def done_member(peer):
-        # a finished member serving out its grace period: its pings say "done"
+        # a finished member serving out its grace period: its pings say "done". It listens
+        # at its address, as a real one does, and sends the node's token back (a word
+        # from an address that never answers would count for nothing)
         ctx = zmq.Context.instance()
+        inbox = ctx.socket(zmq.ROUTER)
+        inbox.setsockopt(zmq.LINGER, 0)
+        inbox.bind("tcp://" + finished)
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, finished.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect("tcp://" + peer.id)
+        echo = None
         try:
             while not stop.wait(0.1):
-                sock.send_multipart(wire.encode(Message("ping", finished, 400, 400, 0, None, None,
-                                                        {"inc": 1, "status": "done", "dc": ""}, peer.fingerprint)))
+                while inbox.poll(0):
+                    frames = inbox.recv_multipart()
+                    echo = wire.decode(frames[1:]).extra.get("tok", echo)
+                x = {"inc": 1, "status": "done", "dc": "", "tok": "t", **({"echo": echo} if echo else {})}
+                sock.send_multipart(wire.encode(Message("ping", finished, 400, 400, 0, None, None, x,
+                                                        peer.fingerprint)))
         finally:
             sock.close(0)
+            inbox.close(0)
 
     def finish(peer):
         if peer.node.step == 1:

@@ -136,7 +136,7 @@ def test_peer_speaking_another_protocol_version_is_ignored(tmp_path):
             s.connect(f"tcp://{n.addr}")
             hdr = msgpack.packb({"kind": "hello", "from": "127.0.0.1:1", "x": {"inc": 1, "status": "waiting"}})
             for _ in range(20):
-                s.send_multipart([b"GSP/3", hdr])
+                s.send_multipart([b"GSP/4", hdr])
                 time.sleep(0.05)
             s.close(0)
         finally:
@@ -144,7 +144,7 @@ def test_peer_speaking_another_protocol_version_is_ignored(tmp_path):
         assert c.wait_all(90) == [0]
         summary = n.summary()
     assert summary["rejected"].get("version", 0) >= 1 and summary["steps"] == 300
-    assert "peer speaks GSP/3, this node GSP/2" in n.log()
+    assert "peer speaks GSP/4, this node GSP/3" in n.log()
 
 
 def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path):

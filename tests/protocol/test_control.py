@@ -20,16 +20,17 @@ class Plane:
     """A ControlPlane for node ``me`` whose sends and reconnects are recorded, on the
     heartbeat detector (its verdicts follow from ``last_seen`` alone)."""
 
-    def __init__(self, me: str, *, seeds: tuple[str, ...] = (), status: str = "waiting", rnd: int = 0) -> None:
+    def __init__(self, me: str, *, seeds: tuple[str, ...] = (), status: str = "waiting", rnd: int = 0,
+                 inc: int = 1) -> None:
         self.sent: list[tuple[str, Message]] = []
         self.reconnected: list[str] = []
         self.excluded: list[tuple[int, str]] = []
         self.merges: list[tuple[str, set[str]]] = []  # (by, the cluster to join)
         self.status, self.round = status, rnd
-        self.m = Membership(me, 1, FP, timing=Timing(dead_after=2.0))
+        self.m = Membership(me, inc, FP, timing=Timing(dead_after=2.0))
         self.m.training = status == "training"
-        self.m.heard(me, 1, 0.0)
-        self.cp = ControlPlane(me, 1, FP, "", self.m, threading.RLock(), lambda d, m: self.sent.append((d, m)),
+        self.m.heard(me, inc, 0.0)
+        self.cp = ControlPlane(me, inc, FP, "", self.m, threading.RLock(), lambda d, m: self.sent.append((d, m)),
                                lambda m: None, lambda: (self.status, self.round, 0), timing=self.m.timing, seeds=seeds,
                                reconnect=self.reconnected.append,
                                excluded=self._excluded, detector="heartbeat")
@@ -41,10 +42,12 @@ class Plane:
             self.excluded.append((rnd, by))
 
     def receive(self, kind: str, sender: str, inc: int = 1, *, status: str = "waiting", rnd: int = 0,
-                **extra) -> None:
+                proven: bool = True, **extra) -> None:
+        """A message from ``sender``; one that has proved its address (``proven``: it sends
+        this node's token back) unless told otherwise."""
         from gossip.transport import wire
 
-        x = {"inc": inc, "status": status, "dc": "", **extra}
+        x = {"inc": inc, "status": status, "dc": "", **({"echo": self.cp.token(sender)} if proven else {}), **extra}
         frames = wire.encode(Message(kind, sender, rnd, 0, 0, None, None, x, FP))
         self.cp.on_frames(sender.encode(), [bytes(memoryview(f)) for f in frames])
 
@@ -834,3 +837,94 @@ def test_a_differing_digest_gets_the_whole_table_only_once_the_difference_outlas
     q.cp.now = 5.0
     q.receive("ping", b, digest=other(7))
     assert [d for d, m in q.sent if m.kind == "members" and not m.extra.get("delta")] == [b]
+
+
+# -- first contacts: a sender's word counts once it proved its address -----------------------
+def _pump(planes: dict[str, Plane], rounds: int = 10) -> list[Message]:
+    """Deliver what the planes sent to each other (through the wire format) until they go
+    quiet; returns every message delivered."""
+    from gossip.transport import wire
+
+    delivered = []
+    for _ in range(rounds):
+        batch = [(p, dst, msg) for p in planes.values() for dst, msg in p.sent]
+        for p in planes.values():
+            p.sent.clear()
+        if not batch:
+            break
+        for _p, dst, msg in batch:
+            if dst in planes:
+                delivered.append(msg)
+                planes[dst].cp.on_frames(msg.sender.encode(), [bytes(memoryview(f)) for f in wire.encode(msg)])
+    return delivered
+
+
+def test_a_stranger_that_does_not_prove_its_address_changes_nothing_and_is_sent_a_token():
+    """A hello and a member list from a sender that is neither a member nor proved its address
+    (a stranger without keys) name 50 made-up members, a start and joins: none of it counts.
+    The sender gets a light hello with this node's token, once a heartbeat at most; a message
+    that sends the token back counts, and since the refused message was a hello, the member
+    list that answers the token counts as that hello (a joiner is scheduled at once)."""
+    a = Plane("10.0.0.1:1", status="training", rnd=100)
+    a.m.start(["10.0.0.1:1"])
+    stranger, fakes = "10.0.0.9:1", [f"10.9.0.{i}:1" for i in range(50)]
+    lists = dict(mids=[stranger, *fakes], mincs=[1] * 51, base=[stranger, *fakes[:10]], jids=fakes[10:],
+                 jrounds=[101] * 40)
+    a.receive("hello", stranger, proven=False, **lists)
+    a.receive("members", stranger, proven=False, status="training", **lists)
+    assert set(a.m.members) == {"10.0.0.1:1"} and not a.m.joins and a.cp.unproven == 2
+    assert [(d, m.kind) for d, m in a.sent] == [(stranger, "hello")]  # one token a heartbeat
+    token = a.sent[0][1].extra["tok"]
+    assert token == a.cp.token(stranger) and a.sent[0][1].extra["mids"] == ["10.0.0.1:1"]  # (light)
+    a.sent.clear()
+    a.receive("members", stranger, proven=False, echo="0" * 16, mids=[stranger], mincs=[1])  # a wrong token
+    assert set(a.m.members) == {"10.0.0.1:1"}
+    # it receives at its address: the token comes back, and its list stands for its hello
+    a.receive("members", stranger, proven=False, echo=token, mids=[stranger], mincs=[1])
+    assert stranger in a.m.members and a.m.joins.get(stranger, 0) > 100
+    assert stranger in a.cp.proven
+
+
+def test_a_flood_of_made_up_senders_costs_a_bounded_number_of_tokens():
+    """2,000 made-up senders at once, then more a second later: tokens go to at most twice
+    CHALLENGE_RATE of them at once and CHALLENGE_RATE a second after, the member table
+    never changes, and the senders never answered are forgotten (their connections closed)
+    after dead_after."""
+    from gossip.protocol.control import CHALLENGE_RATE
+
+    a = Plane("10.0.0.1:1")
+    for i in range(2000):
+        a.receive("hello", f"10.8.{i // 250}.{i % 250}:1", proven=False, mids=[f"10.7.0.{i % 250}:1"], mincs=[1])
+    assert len(a.sent) == 2 * CHALLENGE_RATE and set(a.m.members) == {"10.0.0.1:1"}
+    a.cp.now = 1.0
+    for i in range(2000):
+        a.receive("ping", f"10.6.{i // 250}.{i % 250}:1", proven=False)
+    assert len(a.sent) == 3 * CHALLENGE_RATE and a.cp.unproven == 4000
+    tick(a.cp, 1.0 + a.m.timing.dead_after + 0.1)
+    assert a.cp.challenged == {} and len(a.reconnected) == 3 * CHALLENGE_RATE
+
+
+def test_two_nodes_prove_their_addresses_in_one_round_trip_and_then_send_no_tokens():
+    """Two nodes seeded with each other: the first hellos are refused and answered with
+    tokens, the answers count, and both end with both as members; after that no message
+    carries a token. A restarted process (a new key, a new life) is a member's id: its
+    first hello counts at once, with no round trip."""
+    a = Plane("10.0.0.1:1", seeds=("10.0.0.2:1",))
+    b = Plane("10.0.0.2:1", seeds=("10.0.0.1:1",))
+    planes = {"10.0.0.1:1": a, "10.0.0.2:1": b}
+    a.cp.apply(a.cp.hello_all(["10.0.0.2:1"]))
+    b.cp.apply(b.cp.hello_all(["10.0.0.1:1"]))
+    _pump(planes)
+    assert set(a.m.members) == set(b.m.members) == set(planes)
+    assert a.cp.unproven + b.cp.unproven >= 1  # (the first hello of one side at least)
+    a.cp.apply(a.cp.announce_status())
+    b.cp.apply(b.cp.tell_status(["10.0.0.1:1"]))
+    later = _pump(planes)
+    assert later and all("tok" not in m.extra and "echo" not in m.extra for m in later)
+    # b restarts: a fresh process, whose key and tokens are new
+    b2 = Plane("10.0.0.2:1", inc=2)
+    planes["10.0.0.2:1"] = b2
+    before = a.cp.unproven
+    b2.cp.apply(b2.cp.hello_all(["10.0.0.1:1"]))  # (b2 knows nobody: a sends its token back)
+    _pump(planes)
+    assert a.cp.unproven == before and "10.0.0.1:1" in b2.m.members

@@ -40,10 +40,12 @@ class Plane:
             self.excluded.append((rnd, by))
 
     def receive(self, kind: str, sender: str, inc: int = 1, *, status: str = "waiting", rnd: int = 0,
-                **extra) -> None:
+                proven: bool = True, **extra) -> None:
+        """A message from ``sender``; one that has proved its address (``proven``: it sends
+        this node's token back) unless told otherwise."""
         from gossip.transport import wire
 
-        x = {"inc": inc, "status": status, "dc": "", **extra}
+        x = {"inc": inc, "status": status, "dc": "", **({"echo": self.cp.token(sender)} if proven else {}), **extra}
         frames = wire.encode(Message(kind, sender, rnd, 0, 0, None, None, x, FP))
         self.cp.on_frames(sender.encode(), [bytes(memoryview(f)) for f in frames])
 

@@ -273,7 +273,8 @@ def test_the_default_is_the_swim_detector_and_a_bad_name_is_refused():
     # a heartbeat node counts a swim message as a bad control message and changes nothing
     m, cp = plane(detector="heartbeat")
     assert isinstance(cp.detector, HeartbeatDetector)
-    cp.on_frames(b"127.0.0.1:7001", wire.encode(_swim("127.0.0.1:7001", 5, op="ping", seq=1)))
+    cp.on_frames(b"127.0.0.1:7001", wire.encode(_swim("127.0.0.1:7001", 5, op="ping", seq=1,
+                                                      echo=cp.token("127.0.0.1:7001"))))
     assert cp.rejected == Counter({"control": 1}) and set(m.members) == {"127.0.0.1:7000"}
 
 

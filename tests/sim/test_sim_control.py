@@ -370,7 +370,7 @@ def test_bad_frames_from_a_member_change_nothing_and_are_counted():
         if attack:
             good = Message("state", node_id(1), 5, 5, 99, None, None, {}, c.fingerprint)
             frames = [bytes(memoryview(f).cast("B")) for f in wire.encode(good)]
-            for k, bad in enumerate(([b"junk"], [b"GSP/2", b"\xc1"], frames)):
+            for k, bad in enumerate(([b"junk"], [b"GSP/3", b"\xc1"], frames)):
                 c.at(1.5 + 0.1 * k, "inject", lambda bad=bad: c._receive(c.procs[0], node_id(1), bad))
             c.at(1.9, "forged", lambda: c._receive(c.procs[0], node_id(2), frames))
         c.run(until=60.0)

@@ -102,7 +102,7 @@ GOOD = frames_of(state_message())
 @pytest.mark.parametrize("frames,reason", [
     ([GOOD[0]], "frames"),
     ([b"HTTP/1.1", *GOOD[1:]], "protocol"),
-    ([b"GSP/3", *GOOD[1:]], "version"),
+    ([b"GSP/4", *GOOD[1:]], "version"),
     ([GOOD[0], b"\xc1\xff\x00", *GOOD[2:]], "header"),
     ([GOOD[0], msgpack.packb([1, 2, 3]), *GOOD[2:]], "header"),
     ([GOOD[0], b"x" * (wire.MAX_HEADER + 1), *GOOD[2:]], "header"),
@@ -132,8 +132,8 @@ def test_every_bad_input_has_a_reason(frames, reason):
 
 
 def test_version_error_names_both_versions():
-    with pytest.raises(wire.WireError, match="GSP/3.*GSP/2"):
-        wire.decode([b"GSP/3", *GOOD[1:]])
+    with pytest.raises(wire.WireError, match="GSP/4.*GSP/3"):
+        wire.decode([b"GSP/4", *GOOD[1:]])
 
 
 def test_random_garbage_only_ever_raises_wire_error():
