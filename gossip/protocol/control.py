@@ -298,17 +298,15 @@ class ControlPlane:
         membership.suspected = self.detector.suspected  # (see Membership.round_now)
 
     # -- helpers ---------------------------------------------------------------------------
-    def reject(self, peer: str, reason: str, detail: str = "", *, count: bool = True, once: bool = False) -> None:
+    def reject(self, peer: str, reason: str, detail: str = "", *, count: bool = True) -> None:
         """Count a refused message under ``reason`` (unless ``count`` is False: counted
-        elsewhere) and log it once per peer and reason (``once``: once per reason, the
-        first peer named)."""
-        key = ("", reason) if once else (peer, reason)
+        elsewhere) and log it once per peer and reason."""
         with self._reject_lock:
             if count:
                 self.rejected[reason] += 1
-            if key in self._logged or len(self._logged) >= MAX_LOGGED:
+            if (peer, reason) in self._logged or len(self._logged) >= MAX_LOGGED:
                 return
-            self._logged.add(key)
+            self._logged.add((peer, reason))
         log.warning("%s: rejected a message from %s: %s%s", self.id, peer[:64], reason,
                     f" ({detail})" if detail else "")
 
@@ -383,16 +381,26 @@ class ControlPlane:
                 elif peer in self.asked or len(self.asked) < MAX_PROVEN:
                     self.asked[peer] = tok
                 return msg
-        # (its fields are not read: a flood of made-up lists costs their decoding only)
-        self.unproven += 1  # (not a rejection: every first contact of an honest peer is one)
-        if msg.kind == "bye":
-            return None
+            # (its fields are not read: a flood of made-up lists costs their decoding only)
+            self.unproven += 1  # (not a rejection: every first contact of an honest peer is one)
+            if msg.kind == "bye" or not self._challenge(peer, msg.kind == "hello"):
+                return None
+            reply = self._probe_message()
+        extra = {**reply.extra, "tok": self.token(peer)}
+        if tok is not None:
+            extra["echo"] = tok
+        self.send(peer, dataclasses.replace(reply, extra=extra))
+        return None
+
+    def _challenge(self, peer: str, hello: bool) -> bool:
+        """Whether to send ``peer``, not vouched for, this node's token now (call with
+        ``lock`` held; see :meth:`_admit`); if so, it is recorded as sent."""
         now = self.now
         last = self.challenged.get(peer)
         if last is not None and now - last[0] < self.timing.heartbeat:
-            return None  # asked a moment ago
+            return False  # asked a moment ago
         if last is None and len(self.challenged) >= MAX_CHALLENGED:
-            return None  # (they expire in tick)
+            return False  # (they expire in tick)
         if not self._expected(peer):
             # a sender nobody expects: from a budget, so that a flood of made-up ids costs a
             # few connections a second, not one a message
@@ -400,24 +408,19 @@ class ControlPlane:
             allowance = min(2 * CHALLENGE_RATE, allowance + (now - since) * CHALLENGE_RATE)
             if allowance < 1:
                 self._allowance = (allowance, now)
-                return None
+                return False
             self._allowance = (allowance - 1, now)
-        self.challenged[peer] = (now, msg.kind == "hello" or (last is not None and last[1]))
-        reply = self._probe_message()
-        extra = {**reply.extra, "tok": self.token(peer)}
-        if tok is not None:
-            extra["echo"] = tok
-        self.send(peer, dataclasses.replace(reply, extra=extra))
-        return None
+        self.challenged[peer] = (now, hello or (last is not None and last[1]))
+        return True
 
     def _expire_contacts(self, now: float, fx: Effects) -> None:
         """Forget the senders that never sent their token back within ``dead_after`` (and
         close the connections this node opened to them), and the ids said hello to
         unasked ``join_timeout`` ago."""
-        old = [p for p, (t, _) in self.challenged.items() if now - t > self.timing.dead_after]
-        for p in old:
-            del self.challenged[p]
         with self.lock:
+            old = [p for p, (t, _) in self.challenged.items() if now - t > self.timing.dead_after]
+            for p in old:
+                del self.challenged[p]
             self.greeted = {p: t for p, t in self.greeted.items() if now - t <= self.timing.join_timeout}
             fx.reconnect += [p for p in old if not self.vouched(p) and not self._expected(p) and p != self.id]
 
@@ -498,7 +501,8 @@ class ControlPlane:
             return self._message(kind, **self._entries(None))
 
     def _probe_message(self) -> Message:
-        """A hello to a member declared dead (see :meth:`_probe`): this node and its
+        """A hello to a member declared dead (see :meth:`_probe`), and the one that carries
+        this node's token to a sender not vouched for (see :meth:`_admit`): this node and its
         digest only. A hello with the whole table, every few seconds to each member found
         dead, cost 176 KB a hello at 4,096 members: after one crash about 22 KB per
         survivor per second, for as long as the dead one stays dead."""
