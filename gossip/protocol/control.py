@@ -882,9 +882,14 @@ class ControlPlane:
             return new_member, False, scheduled
         active = self.m.counts(peer, inc)
         # (a hello from a training node that is not active here comes from another
-        # cluster: not a joiner; nor is a node that waits to join another cluster)
+        # cluster: not a joiner; nor is a node that waits to join another cluster; nor
+        # a hello that waited in the socket while this process stalled: the sender may
+        # train elsewhere by now, and says hello again if it still waits (explorer seed
+        # 9303028181: a node woke from a stall of 3.5 s, scheduled the join of a restarted
+        # member that had since started a cluster of its own with the third node, and the
+        # three ended with two member lists)
         if my_status == "training" and self.m.started and status == "waiting" and (restarted or not active) \
-                and not other:
+                and not other and now > self.woke:
             # a node joins a running cluster (a new one, or a new life of a member):
             # everyone adopts it from the same future round, after its old life left
             eff = max(max(my_round, self.m.max_round()) + self.m.announce_margin(self.timing.join_margin),

@@ -912,3 +912,18 @@ def test_a_neighbour_behind_a_slow_link_is_waited_for_though_suspected():
     rule, wait = _rounds_around("wan", False, steps=60), _rounds_around("wan", True, steps=60)
     assert [r["skipped_rounds"] for r in rule] == [0] * 8, rule
     assert [r["params_sha256"] for r in rule] == [r["params_sha256"] for r in wait]
+
+
+def test_a_hello_that_waited_out_a_stall_schedules_no_join(tmp_path):
+    """Seed 9303028181 (settling, 3 nodes): nodes 2 and 0 restart while node 1 stalls for
+    3.5 s. Node 0's hello to node 1 waited in node 1's socket; node 0 meanwhile started a
+    cluster of two with node 2, which had declared node 1 dead. Waking, node 1 read that
+    hello as a join and scheduled node 0 into its own cluster, node 2 then joined node 1's
+    as the stronger, and the three ended with two member lists (node 1 with all three,
+    nodes 0 and 2 with each other), every round between them timing out. A hello handled
+    as this process wakes from a stall schedules no join (ControlPlane._update)."""
+    from gossip.sim import explore
+
+    s = explore.draw(9303028181)
+    assert s.n == 3 and [f[1] for f in s.faults] == ["restart-ck", "restart", "stall"]
+    assert explore.check(explore.run_schedule(s, str(tmp_path), "swim"), s.settles) == []
