@@ -3,51 +3,10 @@ in what order announcements arrive, which cluster goes on when two meet."""
 
 from __future__ import annotations
 
-import threading
-
-from gossip.core.message import Message
-from gossip.protocol.control import ControlPlane
 from gossip.protocol.membership import Membership
 from gossip.protocol.timing import Timing
 from tests.helpers import tick
-
-
-FP = "f" * 16
-
-
-class Plane:
-    """A ControlPlane for node ``me`` whose sends and reconnects are recorded, on the
-    heartbeat detector (its verdicts follow from ``last_seen`` alone)."""
-
-    def __init__(self, me: str, *, seeds: tuple[str, ...] = (), status: str = "waiting", rnd: int = 0) -> None:
-        self.sent: list[tuple[str, Message]] = []
-        self.reconnected: list[str] = []
-        self.excluded: list[tuple[int, str]] = []
-        self.merges: list[tuple[str, set[str]]] = []  # (by, the cluster to join)
-        self.status, self.round = status, rnd
-        self.m = Membership(me, 1, FP, timing=Timing(dead_after=2.0))
-        self.m.training = status == "training"
-        self.m.heard(me, 1, 0.0)
-        self.cp = ControlPlane(me, 1, FP, "", self.m, threading.RLock(), lambda d, m: self.sent.append((d, m)),
-                               lambda m: None, lambda: (self.status, self.round, 0), timing=self.m.timing, seeds=seeds,
-                               reconnect=self.reconnected.append,
-                               excluded=self._excluded, detector="heartbeat")
-
-    def _excluded(self, rnd: int, by: str, cluster: set[str], merge: bool) -> None:
-        if merge:
-            self.merges.append((by, cluster))
-        else:
-            self.excluded.append((rnd, by))
-
-    def receive(self, kind: str, sender: str, inc: int = 1, *, status: str = "waiting", rnd: int = 0,
-                proven: bool = True, **extra) -> None:
-        """A message from ``sender``; one that has proved its address (``proven``: it sends
-        this node's token back) unless told otherwise."""
-        from gossip.transport import wire
-
-        x = {"inc": inc, "status": status, "dc": "", **({"echo": self.cp.token(sender)} if proven else {}), **extra}
-        frames = wire.encode(Message(kind, sender, rnd, 0, 0, None, None, x, FP))
-        self.cp.on_frames(sender.encode(), [bytes(memoryview(f)) for f in frames])
+from tests.protocol.test_control import FP, Plane  # (one recorded ControlPlane for both files)
 
 
 def _keep_alive(p: Plane, alive: list[str], start: float, end: float) -> None:
