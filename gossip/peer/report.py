@@ -124,7 +124,7 @@ class Reporter:
                    rejected={k: v for k, v in sorted(rejected.items()) if v},
                    # control messages from senders that had not proved their address (first
                    # contacts: see gossip.protocol.control), which changed nothing
-                   unproven=life.control.unproven,
+                   unproven=life.control.contacts.unproven,
                    # ROUTER connection events; a message above max_message_bytes is dropped by
                    # ZeroMQ, which closes the sender's connection: it shows up as "disconnected"
                    connections=dict(sorted(transport.events.items())),

@@ -12,13 +12,9 @@ members join the larger one as new lives (see ``foreign`` in ``_control``).
 
 A sender's word counts only once this node has reason to take it: it is a member
 (or was one: a member declared dead, one that left), or it proved that it receives at
-its address. A sender with neither gets a light ``hello`` carrying a token (``tok``,
-a keyed hash of the sender's id: only whoever receives at that address learns it),
-and its message changes nothing; a message that sends the token back (``echo``)
-proves the address, and counts. Each side asks only while it does not know the other,
-so tokens cost a round trip at a first contact and nothing in steady traffic. A
-stranger that makes up ids, or lists of them, without receiving at those addresses,
-cannot become a member nor make anyone one (see docs/PROTOCOL.md, "Strangers").
+its address by sending back a token (see :mod:`gossip.protocol.contacts`). A stranger
+that makes up ids, or lists of them, without receiving at those addresses, cannot
+become a member nor make anyone one (see docs/PROTOCOL.md, "Strangers").
 
 Every field of every control message is checked before use; a bad one is
 counted and logged once per peer and reason, and changes nothing. State
@@ -31,13 +27,10 @@ cycling through made-up ids cannot grow this node's memory.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import itertools
 import logging
 import math
 import random
-import secrets
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -45,6 +38,7 @@ from typing import Any, Callable
 
 from gossip.core.message import Message
 from gossip.core.state import first_difference
+from gossip.protocol.contacts import BadToken, Contacts
 from gossip.protocol.detector import FailureDetector, Frame, HeartbeatDetector
 from gossip.protocol.effects import Effects
 from gossip.protocol.membership import RUNNING, Membership, cluster_after, stronger
@@ -66,11 +60,6 @@ MAX_MEMBERS = wire.MAX_LIST  # entries in one list of a control message (SWIM re
 MAX_AGREE_BYTES = MAX_MEMBERS // 8  # an agreement bitmap: a bit per member, as many as a member list holds
 MAX_DIFFERING = 64  # digests, and members, whose difference from this node's anti-entropy times (see _reconcile)
 BACKOFF_MAX = 8.0  # seconds between hellos to a seed that does not answer or a member declared dead, at most
-MAX_PROVEN = 16_384  # ids that proved their address kept (the oldest go first)
-MAX_CHALLENGED = 256  # senders not proven yet that this node has sent its token to, at once
-CHALLENGE_RATE = 10.0  # tokens a second, at most, to senders this node has no reason to expect (burst: twice)
-MAX_GREETED = 4096  # ids this node said hello to unasked (seeds, the members a restart remembers) kept
-TOKEN_CHARS = 64  # the longest token accepted
 
 
 def _str_list(x: dict, key: str, limit: int = MAX_MEMBERS, min_len: int = 1) -> list[str] | None:
@@ -233,17 +222,7 @@ class ControlPlane:
                  clock: Callable[[], float] | None = None, detector: FailureDetector | str | None = None,
                  secret: bytes | None = None) -> None:
         self.id, self.incarnation, self.fingerprint, self.dc = node_id, incarnation, fingerprint, dc
-        # first contacts (see _admit): the key of this process's tokens, the ids that proved
-        # their address, the token each peer that does not know this node asked it to send
-        # back, the senders sent a token (when, whether their refused message was a hello),
-        # the ids said hello to unasked, and the budget of tokens to senders nobody expects
-        self._key = secret if secret is not None else secrets.token_bytes(16)
-        self.proven: dict[str, None] = {}
-        self.asked: dict[str, str] = {}
-        self.challenged: dict[str, tuple[float, bool]] = {}
-        self.greeted: dict[str, float] = {}
-        self.unproven = 0  # control messages that changed nothing: their sender had not proved its address
-        self._allowance = (2 * CHALLENGE_RATE, -math.inf)
+        self.contacts = Contacts(timing, secret)  # first contacts (see _admit)
         self.m = membership
         self.lock = lock
         self.send = send
@@ -320,108 +299,56 @@ class ControlPlane:
 
     # -- first contacts ----------------------------------------------------------------------
     def token(self, peer: str) -> str:
-        """This process's token for ``peer``: only a node that receives at ``peer``'s address
-        learns it, so a message that sends it back comes from there."""
-        return hashlib.blake2b(peer.encode(errors="replace"), key=self._key, digest_size=8).hexdigest()
+        """This process's token for ``peer`` (see :meth:`Contacts.token`)."""
+        return self.contacts.token(peer)
 
     def vouched(self, peer: str) -> bool:
         """Whether ``peer``'s word counts without a token: a member (admitted on a member's
         word or its own), a member declared dead or gone, or an id that proved its address."""
         m = self.m
-        return peer in m.members or peer in self.proven or peer in m.dead or peer in m.departed
+        return peer in m.members or peer in self.contacts.proven or peer in m.dead or peer in m.departed
 
     def _expected(self, peer: str) -> bool:
         """Whether this node has a reason to hear from ``peer`` before it counts: a seed, an
         id it said hello to, a member declared dead that it probes."""
-        return peer in self.seeds or peer in self.greeted or peer in self.probes
-
-    def _stamped(self, dst: str, msg: Message) -> Message:
-        """``msg`` as it goes to ``dst``: with this node's token for ``dst`` while ``dst``
-        has not proved its address here, and the token ``dst`` asked this node to send back
-        while it asks."""
-        tok = None if self.vouched(dst) else self.token(dst)
-        echo = self.asked.get(dst)
-        if tok is None and echo is None:
-            return msg
-        x = dict(msg.extra)
-        if tok is not None:
-            x["tok"] = tok
-        if echo is not None:
-            x["echo"] = echo
-        return dataclasses.replace(msg, extra=x)
+        return peer in self.seeds or peer in self.contacts.greeted or peer in self.probes
 
     def _admit(self, peer: str, msg: Message) -> Message | None:
         """``msg`` (a control message) if its sender's word counts (:meth:`vouched`), or if
         it sends this node's token back (then ``peer`` proved its address). Otherwise None:
-        ``peer`` gets a light hello with the token (at most once a heartbeat, to at most
-        :data:`MAX_CHALLENGED` senders at once, from a budget of :data:`CHALLENGE_RATE` a
-        second for senders this node has no reason to expect), and the message changes
-        nothing. A sender whose refused message was a hello answers the token with its
-        member list: that list counts as the hello it stands for (a joiner's join is
-        scheduled on it, not a seed retry later)."""
-        x = msg.extra
-        tok, echo = x.pop("tok", None), x.pop("echo", None)
-        if tok is not None and not (isinstance(tok, str) and 0 < len(tok) <= TOKEN_CHARS):
-            self.reject(peer, "token", "a token that is not a short string")
+        ``peer`` gets a light hello with the token (see :meth:`Contacts.challenge` for how
+        often), and the message changes nothing. A sender whose refused message was a hello
+        answers the token with its member list: that list counts as the hello it stands for
+        (a joiner's join is scheduled on it, not a seed retry later)."""
+        c = self.contacts
+        try:
+            tok, echo = c.take(msg)
+        except BadToken as e:
+            self.reject(peer, "token", str(e))
             return None
         with self.lock:
             vouched = self.vouched(peer)
-            if not vouched and isinstance(echo, str) and hmac.compare_digest(echo.encode(errors="replace"),
-                                                                             self.token(peer).encode()):
-                if len(self.proven) >= MAX_PROVEN:
-                    del self.proven[next(iter(self.proven))]
-                self.proven[peer] = None
-                vouched = True
-                challenge = self.challenged.pop(peer, None)
-                if challenge is not None and challenge[1] and msg.kind == "members":
+            if not vouched:
+                vouched, answered_hello = c.prove(peer, echo)
+                if answered_hello and msg.kind == "members":
                     msg = dataclasses.replace(msg, kind="hello")
             if vouched:
-                if tok is None:
-                    self.asked.pop(peer, None)  # (it knows this node now)
-                elif peer in self.asked or len(self.asked) < MAX_PROVEN:
-                    self.asked[peer] = tok
+                c.heard(peer, tok)
                 return msg
             # (its fields are not read: a flood of made-up lists costs their decoding only)
-            self.unproven += 1  # (not a rejection: every first contact of an honest peer is one)
-            if msg.kind == "bye" or not self._challenge(peer, msg.kind == "hello"):
+            c.unproven += 1  # (not a rejection: every first contact of an honest peer is one)
+            if msg.kind == "bye" or not c.challenge(peer, msg.kind == "hello", self._expected(peer), self.now):
                 return None
             reply = self._probe_message()
-        extra = {**reply.extra, "tok": self.token(peer)}
-        if tok is not None:
-            extra["echo"] = tok
-        self.send(peer, dataclasses.replace(reply, extra=extra))
+        self.send(peer, c.challenge_message(peer, reply, tok))
         return None
-
-    def _challenge(self, peer: str, hello: bool) -> bool:
-        """Whether to send ``peer``, not vouched for, this node's token now (call with
-        ``lock`` held; see :meth:`_admit`); if so, it is recorded as sent."""
-        now = self.now
-        last = self.challenged.get(peer)
-        if last is not None and now - last[0] < self.timing.heartbeat:
-            return False  # asked a moment ago
-        if last is None and len(self.challenged) >= MAX_CHALLENGED:
-            return False  # (they expire in tick)
-        if not self._expected(peer):
-            # a sender nobody expects: from a budget, so that a flood of made-up ids costs a
-            # few connections a second, not one a message
-            allowance, since = self._allowance
-            allowance = min(2 * CHALLENGE_RATE, allowance + (now - since) * CHALLENGE_RATE)
-            if allowance < 1:
-                self._allowance = (allowance, now)
-                return False
-            self._allowance = (allowance - 1, now)
-        self.challenged[peer] = (now, hello or (last is not None and last[1]))
-        return True
 
     def _expire_contacts(self, now: float, fx: Effects) -> None:
         """Forget the senders that never sent their token back within ``dead_after`` (and
         close the connections this node opened to them), and the ids said hello to
         unasked ``join_timeout`` ago."""
         with self.lock:
-            old = [p for p, (t, _) in self.challenged.items() if now - t > self.timing.dead_after]
-            for p in old:
-                del self.challenged[p]
-            self.greeted = {p: t for p, t in self.greeted.items() if now - t <= self.timing.join_timeout}
+            old = self.contacts.expire(now)
             fx.reconnect += [p for p in old if not self.vouched(p) and not self._expected(p) and p != self.id]
 
     def _message(self, kind: str, **extra: Any) -> Message:
@@ -660,11 +587,12 @@ class ControlPlane:
         for mid in fx.reconnect if self.reconnect is not None else ():
             # a connection that kept retrying a dead life backs off for seconds: start afresh
             self.reconnect(mid)
-        with self.lock:  # (the tokens: see _stamped)
-            sends = [(dst, self._stamped(dst, msg)) for dst, msg in fx.sends]
+        with self.lock:  # (the tokens: see Contacts.stamp)
+            stamp = self.contacts.stamp
+            sends = [(dst, stamp(dst, msg, self.vouched(dst))) for dst, msg in fx.sends]
             if fx.broadcasts:
                 others = self.m.others()
-                sends += [(peer, self._stamped(peer, msg)) for msg in fx.broadcasts for peer in others]
+                sends += [(peer, stamp(peer, msg, self.vouched(peer))) for msg in fx.broadcasts for peer in others]
         for dst, msg in sends:
             self.send(dst, msg)
 
@@ -1149,10 +1077,7 @@ class ControlPlane:
     def hello_all(self, peers: list[str]) -> Effects:
         """A hello (with this node's member list) to each of ``peers``."""
         with self.lock:
-            for p in peers:
-                if p not in self.greeted and len(self.greeted) >= MAX_GREETED:
-                    break
-                self.greeted[p] = self.now
+            self.contacts.greet(peers, self.now)
         return Effects(sends=[(p, self._members_message("hello")) for p in peers])
 
     def goodbye(self, reason: str) -> Effects:

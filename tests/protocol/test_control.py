@@ -872,7 +872,7 @@ def test_a_stranger_that_does_not_prove_its_address_changes_nothing_and_is_sent_
                  jrounds=[101] * 40)
     a.receive("hello", stranger, proven=False, **lists)
     a.receive("members", stranger, proven=False, status="training", **lists)
-    assert set(a.m.members) == {"10.0.0.1:1"} and not a.m.joins and a.cp.unproven == 2
+    assert set(a.m.members) == {"10.0.0.1:1"} and not a.m.joins and a.cp.contacts.unproven == 2
     assert [(d, m.kind) for d, m in a.sent] == [(stranger, "hello")]  # one token a heartbeat
     token = a.sent[0][1].extra["tok"]
     assert token == a.cp.token(stranger) and a.sent[0][1].extra["mids"] == ["10.0.0.1:1"]  # (light)
@@ -882,7 +882,7 @@ def test_a_stranger_that_does_not_prove_its_address_changes_nothing_and_is_sent_
     # it receives at its address: the token comes back, and its list stands for its hello
     a.receive("members", stranger, proven=False, echo=token, mids=[stranger], mincs=[1])
     assert stranger in a.m.members and a.m.joins.get(stranger, 0) > 100
-    assert stranger in a.cp.proven
+    assert stranger in a.cp.contacts.proven
 
 
 def test_a_flood_of_made_up_senders_costs_a_bounded_number_of_tokens():
@@ -890,7 +890,7 @@ def test_a_flood_of_made_up_senders_costs_a_bounded_number_of_tokens():
     CHALLENGE_RATE of them at once and CHALLENGE_RATE a second after, the member table
     never changes, and the senders never answered are forgotten (their connections closed)
     after dead_after."""
-    from gossip.protocol.control import CHALLENGE_RATE
+    from gossip.protocol.contacts import CHALLENGE_RATE
 
     a = Plane("10.0.0.1:1")
     for i in range(2000):
@@ -899,9 +899,9 @@ def test_a_flood_of_made_up_senders_costs_a_bounded_number_of_tokens():
     a.cp.now = 1.0
     for i in range(2000):
         a.receive("ping", f"10.6.{i // 250}.{i % 250}:1", proven=False)
-    assert len(a.sent) == 3 * CHALLENGE_RATE and a.cp.unproven == 4000
+    assert len(a.sent) == 3 * CHALLENGE_RATE and a.cp.contacts.unproven == 4000
     tick(a.cp, 1.0 + a.m.timing.dead_after + 0.1)
-    assert a.cp.challenged == {} and len(a.reconnected) == 3 * CHALLENGE_RATE
+    assert a.cp.contacts.challenged == {} and len(a.reconnected) == 3 * CHALLENGE_RATE
 
 
 def test_two_nodes_prove_their_addresses_in_one_round_trip_and_then_send_no_tokens():
@@ -916,7 +916,7 @@ def test_two_nodes_prove_their_addresses_in_one_round_trip_and_then_send_no_toke
     b.cp.apply(b.cp.hello_all(["10.0.0.1:1"]))
     _pump(planes)
     assert set(a.m.members) == set(b.m.members) == set(planes)
-    assert a.cp.unproven + b.cp.unproven >= 1  # (the first hello of one side at least)
+    assert a.cp.contacts.unproven + b.cp.contacts.unproven >= 1  # (the first hello of one side at least)
     a.cp.apply(a.cp.announce_status())
     b.cp.apply(b.cp.tell_status(["10.0.0.1:1"]))
     later = _pump(planes)
@@ -924,7 +924,7 @@ def test_two_nodes_prove_their_addresses_in_one_round_trip_and_then_send_no_toke
     # b restarts: a fresh process, whose key and tokens are new
     b2 = Plane("10.0.0.2:1", inc=2)
     planes["10.0.0.2:1"] = b2
-    before = a.cp.unproven
+    before = a.cp.contacts.unproven
     b2.cp.apply(b2.cp.hello_all(["10.0.0.1:1"]))  # (b2 knows nobody: a sends its token back)
     _pump(planes)
-    assert a.cp.unproven == before and "10.0.0.1:1" in b2.m.members
+    assert a.cp.contacts.unproven == before and "10.0.0.1:1" in b2.m.members

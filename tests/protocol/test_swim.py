@@ -546,12 +546,12 @@ def test_malformed_swim_frames_reaching_a_control_plane_are_counted_and_change_n
         if x.get(key, "") is None:
             x.pop(key)
         sender = rng.choice([peer, "127.0.0.1:7999"])
-        before = sum(cp.rejected.values()) + cp.unproven
+        before = sum(cp.rejected.values()) + cp.contacts.unproven
         cp.on_frames(sender.encode(), frames(sender, x))
         count += 1
         # (a stranger's fields past the wire format's are not read: its message counts as
         # unproven, see ControlPlane._admit)
-        assert sum(cp.rejected.values()) + cp.unproven == before + 1, (key, x)
+        assert sum(cp.rejected.values()) + cp.contacts.unproven == before + 1, (key, x)
     # header-level: a tensor or a weight on a swim message, an undecodable x map
     h = msgpack.packb({"kind": "swim", "from": peer, "x": {"op": "ping", "inc": 1, "seq": 1, "life": 1,
                                                           "status": "waiting"}, "w": 0.5})
@@ -559,7 +559,7 @@ def test_malformed_swim_frames_reaching_a_control_plane_are_counted_and_change_n
     h = msgpack.packb({"kind": "swim", "from": peer, "x": {"op": "ping", "inc": 1}})
     cp.on_frames(peer.encode(), [wire.TAG, h, b"\0" * 8])
     count += 2
-    assert sum(cp.rejected.values()) + cp.unproven == count and cp.unproven > 50, (cp.rejected, cp.unproven)
+    assert sum(cp.rejected.values()) + cp.contacts.unproven == count and cp.contacts.unproven > 50, (cp.rejected, cp.contacts.unproven)
     assert set(cp.rejected) <= {"control", "swim", "header", "frames"}, cp.rejected
     assert (dict((k, (v.incarnation, v.status)) for k, v in m.members.items()), cp.detector.state(peer)) == state
     # nothing reached SWIM itself; the stranger was sent this node's token (a light hello), no more
