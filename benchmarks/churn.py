@@ -297,12 +297,15 @@ def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, do
         draw = random.Random(f"kinds|{seed}")  # each kind once in every four faults, in a drawn order
         kinds = [kind for _ in range(0, restarts, len(KINDS)) for kind in draw.sample(KINDS, len(KINDS))][:restarts]
     plan = (lead, partition_s) if mixed else None
-    clean = run(work, "clean", n, steps, extra, mixed=plan) if clean_run else None
+    # how long a run may take: three times its measured length (the full --mixed form, 8
+    # nodes on two cores, is longer than the 30 minutes that bound a run of given steps)
+    limit = max(1800.0, 3.0 * steps / rate) if rate else 1800.0
+    clean = run(work, "clean", n, steps, extra, mixed=plan, timeout=limit) if clean_run else None
     faulty = run(work, "churn", n, steps, extra, restarts=restarts, every=every, down=down, seed=seed, kinds=kinds,
-                 mixed=plan)
+                 mixed=plan, timeout=limit)
     # (the same seed: the twins come at the kills' times, as far as the run lasts)
     twin = run(work, "twins", n, steps, extra, restarts=restarts, every=every, down=down, seed=seed, kinds=kinds,
-               mixed=plan, twins=True) if matched else None
+               mixed=plan, twins=True, timeout=limit) if matched else None
     if clean is None:
         clean = {"elapsed_s": math.nan, "summaries": [{}], "timed_out_rounds": None}
     acc_clean = [s.get("final_accuracy") for s in clean["summaries"]]
