@@ -626,6 +626,13 @@ class ControlPlane:
             was = None if was is None else was.incarnation
             new_member, reply, scheduled = self._update(msg, f, now, fx)
             fx.reconnect = self.m.take_renewed()
+            if msg.kind == "hello" and f.status == "training" and was == f.inc and peer not in fx.reconnect:
+                # a member that trains, in the life this node knows, says hello: its rounds keep
+                # timing out waiting for this node (Lifecycle.out_of_step), or it doubts this
+                # node's lists. The connection from here to it may deliver nothing while its own
+                # towards here does (a link broken one way: 61 rounds of --timeout in a row in a
+                # real run, benchmarks/RESULTS.md): a fresh one before the answer goes
+                fx.reconnect.append(peer)
             # the sender itself is the news (a node, or a life, this node had not heard of): it
             # may be the only member that knows of it yet, and may crash within the tick
             firsthand = peer in self.m.members and (was is None or was < self.m.members[peer].incarnation)

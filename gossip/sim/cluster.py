@@ -178,6 +178,7 @@ class SimCluster:
         self.rng = random.Random(seed * 2654435761 + 0xD0B1E)  # duplicate and reorder draws only
         self.control_rng = random.Random(seed * 40503 + 0xC0DE)  # control_loss draws only
         self.spikes: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        self.broken: set[tuple[str, str]] = set()  # connections that deliver nothing (see break_connection)
         self._up = 0       # processes up
         self._faults = 0   # fault events still queued
         self.now = 0.0
@@ -301,6 +302,25 @@ class SimCluster:
         self.at(at, f"cut {what}", lambda: self.network.cut(pairs))
         self.at(until, f"uncut {what}", lambda: self.network.cut(pairs, on=False))
 
+    def break_connection(self, i: int, j: int, *, at: float) -> None:
+        """From ``at`` what ``i`` sends ``j`` is lost until ``i`` opens a fresh connection to
+        ``j`` (its control plane's ``reconnect``, or a new process): a ZeroMQ connection that
+        stopped delivering one way while the other way works, as one did in a real churn
+        run (benchmarks/RESULTS.md: 61 rounds of ``--timeout`` in a row)."""
+        pair = (self.procs[i].id, self.procs[j].id)
+
+        def act() -> None:
+            if pair not in self.broken:
+                self.broken.add(pair)
+                self.network.cut([pair])
+        self.at(at, f"break connection {i} -> {j}", act)
+
+    def _reconnect(self, p: SimProcess, peer: str) -> None:
+        """``p`` opens a fresh connection to ``peer``: one that had broken delivers again."""
+        if (p.id, peer) in self.broken:
+            self.broken.discard((p.id, peer))
+            self.network.cut([(p.id, peer)], on=False)
+
     def spike(self, i: int, j: int, *, at: float, until: float, delay: float) -> None:
         """Messages sent between ``i`` and ``j`` (both ways) from ``at`` to ``until`` take
         ``delay`` seconds longer (a congested path: later ones may overtake them)."""
@@ -338,6 +358,8 @@ class SimCluster:
             q.up, q.stalled, q.polling, q.primed, q.resume_due = True, False, False, False, False
             q.backlog, q.exit, q.started_at, q.rounds = [], None, self.now, {}
         p.after_finish = self._near_finish(p)
+        for pair in [x for x in self.broken if x[0] == p.id]:  # (a new process: new connections)
+            self._reconnect(p, pair[1])
         local = p.local
         first = 10**6 + int(local(self.now) * 1e6) + p.epoch  # later processes have later lives, as on a wall clock
         group = None
@@ -348,7 +370,7 @@ class SimCluster:
         p.life = Lifecycle(cfg, task=self.task if group is None else None, device=self.device,
                            fingerprint=self.fingerprint, incarnation=first,
                            send=lambda dst, msg, p=p: self._send(p, dst, msg, False),
-                           reconnect=lambda peer: None, origin=local(self.now), clock=lambda: local(self.now),
+                           reconnect=lambda peer, p=p: self._reconnect(p, peer), origin=local(self.now), clock=lambda: local(self.now),
                            new_incarnation=lambda prev, p=p: self._new_life(p, prev),
                            model=None if group is None else ShardModule(group.views[0].flat),
                            secret=f"{p.id}/{first}".encode())

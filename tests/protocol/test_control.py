@@ -100,6 +100,23 @@ def test_a_restarted_member_is_scheduled_as_a_joiner_after_its_old_life_leaves()
     assert [d for d, m in a.sent if m.kind == "members"][:1] == ["10.0.0.2:1"]
 
 
+def test_a_training_member_s_hello_reopens_the_connection_towards_it_before_the_answer():
+    """A member that trains, in the life the table holds, says hello when its rounds keep
+    timing out waiting for this node (Lifecycle.out_of_step): the connection from here to
+    it may deliver nothing while its own works. It is reopened before the member list
+    goes back; its other messages reopen nothing."""
+    a = Plane("10.0.0.1:1", status="training", rnd=100)
+    a.m.heard("10.0.0.2:1", 1, 0.0, status="training", round=100)
+    a.m.start(["10.0.0.1:1", "10.0.0.2:1"])
+    a.m.take_renewed()  # (its record is not news: known before)
+    a.receive("hello", "10.0.0.2:1", status="training", rnd=100)
+    assert a.reconnected == ["10.0.0.2:1"]
+    assert [(d, m.kind) for d, m in a.sent] == [("10.0.0.2:1", "members")]  # (after the reconnect: apply's order)
+    a.receive("ping", "10.0.0.2:1", status="training", rnd=101)  # (its other messages reopen nothing)
+    a.receive("members", "10.0.0.2:1", status="training", rnd=101, mids=["10.0.0.1:1", "10.0.0.2:1"], mincs=[1, 1])
+    assert a.reconnected == ["10.0.0.2:1"]
+
+
 def test_a_new_life_learned_first_from_a_member_list_still_ends_the_counted_life():
     """(explorer seed 115000414) c's list tells a of b's new life before b speaks; the
     table takes it silently, so b's own first message is no restart. The life a's
