@@ -594,6 +594,65 @@ def test_a_cluster_under_mixed_faults_finishes_as_one_cluster_and_each_fault_is_
     assert r["members_at_end"] == [n] * n, r
 
 
+# gossip-node whose connection towards one peer delivers nothing, from its 30th state
+# message to it, until the node reopens it (a ZeroMQ connection that once stopped
+# delivering one way in a real churn run, while the other way worked)
+BROKEN_CONNECTION = textwrap.dedent("""
+    import sys
+    import gossip.transport.zmq as tz
+    from gossip.cli import node_main
+
+    addr, dst, *args = sys.argv[1:]
+    sent = {"state": 0, "broken": False, "reopened": False}
+    send_now, forget = tz.ZmqTransport._send_now, tz.ZmqTransport.forget
+
+    def _send_now(self, d, frames, droppable=True, now=0.0):
+        if d == dst and not sent["reopened"]:
+            sent["state"] += droppable
+            if sent["state"] > 30:
+                if not sent["broken"]:
+                    sent["broken"] = True
+                    print("the connection to", dst, "broke", file=sys.stderr, flush=True)
+                return
+        send_now(self, d, frames, droppable, now)
+
+    def _forget(self, d):
+        if d == dst and sent["broken"] and not sent["reopened"]:
+            sent["reopened"] = True
+            print("the connection to", dst, "was reopened", file=sys.stderr, flush=True)
+        forget(self, d)
+
+    tz.ZmqTransport._send_now, tz.ZmqTransport.forget = _send_now, _forget
+    sys.exit(node_main(["--listen", f"tcp://{addr}", "--threads", "1", "-v", *args]))
+""")
+
+
+def test_a_connection_that_stops_delivering_one_way_is_reopened_and_the_rounds_go_on(tmp_path):
+    """Three real nodes; node 1's connection towards node 2 delivers nothing from its 30th
+    state message on, while node 2's towards node 1 works (SWIM finds 1 alive through
+    node 0). Node 2's rounds time out waiting for 1; after 3 in a row it says hello to 1,
+    and 1, hearing a training member's hello, reopens its connection to 2 (Peer's
+    reconnect: a fresh ZeroMQ socket). Without that, node 2 waited ``--timeout`` in every
+    round to the end. Counted in rounds, not seconds: the break comes 30 rounds in,
+    whatever the machine's speed."""
+    n, steps = 3, 300
+    ports = [free_port() for _ in range(n)]
+    script = tmp_path / "broken.py"
+    script.write_text(BROKEN_CONNECTION)
+    with Cluster(tmp_path) as c:
+        nodes = [c.start(f"b{i}", ring(ports, i, steps, "--timeout", "2"), port=ports[i]) if i != 1 else
+                 c.start("b1", [f"127.0.0.1:{ports[2]}", *ring(ports, i, steps, "--timeout", "2")], port=ports[1],
+                         script=script) for i in range(n)]
+        codes = [x.wait(300) for x in nodes]
+        log = nodes[1].log()
+        assert codes == [0] * n, log[-3000:]
+        rs = [x.summary() for x in nodes]
+    assert "broke" in log and "was reopened" in log, log[-3000:]
+    assert [r["steps"] for r in rs] == [steps] * n and [r["members"] for r in rs] == [n] * n, rs
+    assert rs[2]["timed_out_rounds"] >= 1 and max(r["timed_out_rounds"] for r in rs) <= 6, \
+        [r["timed_out_rounds"] for r in rs]
+
+
 @pytest.mark.slow
 def test_start_up_twins_do_a_restarts_start_up_beside_a_cluster_they_leave_untouched(tmp_path, monkeypatch):
     """benchmarks/churn.py --matched's third run in a bounded form: at each kill's time
