@@ -370,7 +370,8 @@ class SimCluster:
         p.life = Lifecycle(cfg, task=self.task if group is None else None, device=self.device,
                            fingerprint=self.fingerprint, incarnation=first,
                            send=lambda dst, msg, p=p: self._send(p, dst, msg, False),
-                           reconnect=lambda peer, p=p: self._reconnect(p, peer), origin=local(self.now), clock=lambda: local(self.now),
+                           reconnect=lambda peer, p=p: self._reconnect(p, peer), origin=local(self.now),
+                           clock=lambda: local(self.now),
                            new_incarnation=lambda prev, p=p: self._new_life(p, prev),
                            model=None if group is None else ShardModule(group.views[0].flat),
                            secret=f"{p.id}/{first}".encode())
