@@ -585,7 +585,8 @@ class ControlPlane:
         if fx.verdict is not None and self.excluded is not None:
             self.excluded(*fx.verdict)
         for mid in fx.reconnect if self.reconnect is not None else ():
-            # a connection that kept retrying a dead life backs off for seconds: start afresh
+            # a fresh connection: one that kept retrying a dead life backs off for seconds, one
+            # towards a member that says hello while it trains may deliver nothing (see handle)
             self.reconnect(mid)
         with self.lock:  # (the tokens: see Contacts.stamp)
             stamp = self.contacts.stamp
