@@ -17,8 +17,11 @@ steps. Three runs of the same cluster:
 Reported: goodput (clean time over churn time for the same steps), the slowest
 stretch between two local steps in any node's last life, every node's exit code
 and steps, how each last life started (joined with a neighbour's state or not),
-the members at the end, the rounds that timed out, and the final accuracy
-against the clean run's.
+the members at the end, the rounds that timed out (each under the fault that began
+last before it: :func:`attribute_timeouts`), and the final accuracy against the clean
+run's. The run's fault schedule goes to ``churn.faults.json`` beside the logs, and
+``--analyse DIR`` reads a kept run again (``--keep DIR``) and prints the attribution
+without running anything.
 
     python benchmarks/churn.py [--faults 40] [--every 15] [--down 2] [--seed 0] [--matched]
 
@@ -48,6 +51,7 @@ applied or from the node's own log:
   an emulator without outages.
 
     python benchmarks/churn.py --mixed [--faults 60] [--every 10] [--seed 0]
+    python benchmarks/churn.py --analyse DIR [--schedule DIR.log]
 
 Ends with one JSON line. ``benchmarks/faults.py`` runs it too (``--churn``).
 """
@@ -55,15 +59,20 @@ Ends with one JSON line. ``benchmarks/faults.py`` runs it too (``--churn``).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import os
 import random
+import re
 import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -91,6 +100,13 @@ STARTUP_TWIN = (
     "u = resource.getrusage(resource.RUSAGE_SELF)\n"
     "print(f'cpu {u.ru_utime + u.ru_stime:.3f}')\n"
 )
+# a synchronous round that waited --timeout in vain, as a node logs it (gossip/protocol/lifecycle.py;
+# a group's rank: ranks.py); not the warning "N synchronous rounds in a row timed out waiting for"
+# that follows several (counting those too made 198 of the 164 rounds of one --mixed run)
+TIMED_OUT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ \[([^\]]+)\] .*?: round (\d+) timed out "
+                       r"waiting for (?:neighbours \((.*)\)|(.*))$", re.MULTILINE)
+LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"  # the nodes' log timestamps (local time, as ``started`` below)
+RELATIONS = ("awaiting_victim", "victim_waiting", "other")  # a timed-out round to its fault (attribute_timeouts)
 
 
 def _checkpoint_step(directory: Path) -> int:
@@ -116,11 +132,138 @@ def _process_state(pid: int) -> str:
         return ""
 
 
+def _datacenter(i: int, n: int) -> str:
+    """Node ``i``'s datacenter under ``--mixed``: the first half ``a``, the rest ``b``."""
+    return "a" if i < n // 2 else "b"
+
+
+def draw_kinds(count: int, seed: int) -> list[str]:
+    """The kinds of ``--mixed``'s ``count`` faults: each of :data:`KINDS` once in every
+    four, in an order drawn from ``seed`` (the first k are the same whatever ``count``)."""
+    draw = random.Random(f"kinds|{seed}")
+    return [kind for _ in range(0, count, len(KINDS)) for kind in draw.sample(KINDS, len(KINDS))][:count]
+
+
 def _mixed_flags(i: int, n: int, windows: list[tuple[float, float]], origin: float) -> list[str]:
-    """A node's datacenter label (the first half ``a``, the rest ``b``) and its link
-    emulator: the partition windows, counted from ``origin`` (UNIX seconds)."""
+    """A node's datacenter label and its link emulator: the partition windows, counted
+    from ``origin`` (UNIX seconds)."""
     spec = ",".join(["latency=0s", *(f"down={a:.3f}s-{b:.3f}s" for a, b in windows)])
-    return ["--dc", "a" if i < n // 2 else "b", "--emulate", f"inter:{spec}", "--emulate-origin", f"{origin:.3f}"]
+    return ["--dc", _datacenter(i, n), "--emulate", f"inter:{spec}", "--emulate-origin", f"{origin:.3f}"]
+
+
+@dataclass(frozen=True)
+class TimedOutRound:
+    """One synchronous round that timed out, as the waiting node logged it."""
+
+    at_s: float  # when it was logged (the end of its wait), seconds on the faults' ``at_s`` clock
+    node: int | None  # the waiting node (None: an address that is no node of the run)
+    round: int
+    awaited: tuple[int | None, ...]  # the nodes it waited for in vain
+
+
+def timed_out_rounds(log: str, nodes: dict[str, int], started: datetime) -> list[TimedOutRound]:
+    """The timed-out rounds that one node's log names.
+
+    ``nodes`` maps an address (``127.0.0.1:PORT``) to its node's index; ``started`` is the
+    local time that the faults' ``at_s`` count from (the log's timestamps are local too).
+    """
+    out = []
+    for m in TIMED_OUT.finditer(log):
+        at = (datetime.strptime(m[1], LOG_TIME) - started).total_seconds()
+        awaited = m[4] if m[4] is not None else m[5]
+        out.append(TimedOutRound(at, nodes.get(m[2]), int(m[3]),
+                                 tuple(nodes.get(a) for a in awaited.split(", ") if a)))
+    return out
+
+
+def _relation(fault: dict, r: TimedOutRound, n: int) -> str:
+    """How timed-out round ``r`` stands to ``fault`` (one of :data:`RELATIONS`): it waited
+    for the victim (a partition's: a node across the cut), the victim itself waited (a
+    stopped or restarted node), or it waited for others only."""
+    if fault["kind"] == "partition":
+        across = r.node is not None and any(a is not None and _datacenter(a, n) != _datacenter(r.node, n)
+                                            for a in r.awaited)
+        return "awaiting_victim" if across else "other"
+    if r.node is not None and r.node == fault.get("node"):
+        return "victim_waiting"
+    return "awaiting_victim" if fault.get("node") in r.awaited else "other"
+
+
+def attribute_timeouts(faults: list[dict], rounds: list[TimedOutRound], n: int, window: float,
+                       gap: float = 10.0) -> dict:
+    """Each timed-out round under the fault that began last before it, if that began
+    less than ``window`` seconds before it (so at most until the next fault); counted per
+    kind of fault, and per fault.
+
+    ``faults`` are the run's (``kind``, ``at_s``, and a kill's or stop's ``node``), ``n``
+    the nodes (a partition cuts the datacenters of :func:`_datacenter` apart). A round is
+    also ``carried`` when it continues a burst begun under an earlier fault (timed-out
+    rounds of any node, none more than ``gap`` s after the one before: a node stuck in
+    its rounds logs one every ``--timeout``, 5 s): the earlier fault's doing, more likely.
+
+    Returns ``kinds`` (per kind: ``faults``, ``faults_hit`` (those followed by a timed-out
+    round), ``rounds``, ``per_fault``, the rounds per :data:`RELATIONS`, and ``carried``),
+    ``outside`` (rounds under no fault: before the first, or ``window`` s or more after the
+    last before them), ``window_s``, ``gap_s`` and ``rounds_per_fault`` (in the order of
+    ``faults``).
+
+    >>> f = [{"kind": "kill", "node": 1, "at_s": 10.0}]
+    >>> attribute_timeouts(f, [TimedOutRound(12.0, 0, 7, (1,))], 2, 30.0)["kinds"]["kill"]["awaiting_victim"]
+    1
+    """
+    if not window > 0:
+        raise ValueError(f"window must be positive, got {window}")
+    if not gap >= 0:
+        raise ValueError(f"gap must be at least 0, got {gap}")
+    order = sorted(range(len(faults)), key=lambda j: faults[j]["at_s"])
+    starts = [faults[j]["at_s"] for j in order]
+    per_fault = [0] * len(faults)
+    kinds: dict[str, dict] = {}
+    for f in faults:
+        row = kinds.setdefault(f["kind"], {"faults": 0, "faults_hit": 0, "rounds": 0, "per_fault": 0.0,
+                                           **{rel: 0 for rel in RELATIONS}, "carried": 0})
+        row["faults"] += 1
+    outside = 0
+    last = burst = None  # the latest round's time, and the fault (its place in ``order``) its burst began under
+    for r in sorted(rounds, key=lambda r: r.at_s):
+        k = bisect.bisect_right(starts, r.at_s) - 1
+        if k >= 0 and r.at_s - starts[k] >= window:
+            k = -1
+        if last is None or r.at_s - last > gap:
+            burst = k
+        last = r.at_s
+        if k < 0:
+            outside += 1
+            continue
+        fault = faults[order[k]]
+        per_fault[order[k]] += 1
+        row = kinds[fault["kind"]]
+        row["rounds"] += 1
+        row[_relation(fault, r, n)] += 1
+        row["carried"] += 0 <= burst < k
+    for f, count in zip(faults, per_fault):
+        kinds[f["kind"]]["faults_hit"] += count > 0
+    for row in kinds.values():
+        row["per_fault"] = round(row["rounds"] / row["faults"], 2)
+    return {"kinds": kinds, "outside": outside, "window_s": window, "gap_s": gap, "rounds_per_fault": per_fault}
+
+
+def attribution_table(a: dict) -> str:
+    """The lines that :func:`attribute_timeouts`'s result prints as."""
+    cols = ("faults", "hit", "rounds", "per fault", "awaiting victim", "victim waiting", "other", "carried")
+    lines = [f"timed-out rounds under the fault that began last before them (within {a['window_s']:.1f} s; "
+             f"carried: in a burst begun under an earlier fault, gaps under {a['gap_s']:g} s)",
+             f"{'fault':<11}" + "".join(f"  {c:>{max(len(c), 5)}}" for c in cols)]
+    for kind, row in a["kinds"].items():
+        values = [row["faults"], row["faults_hit"], row["rounds"], f"{row['per_fault']:.2f}",
+                  *(row[rel] for rel in RELATIONS), row["carried"]]
+        lines.append(f"{kind:<11}" + "".join(f"  {v:>{max(len(c), 5)}}" for c, v in zip(cols, values)))
+    faults = sum(row["faults"] for row in a["kinds"].values())
+    total = sum(row["rounds"] for row in a["kinds"].values()) + a["outside"]
+    lines.append(f"{'outside':<11}  {'':>6}  {'':>5}  {a['outside']:>6}  (under no fault: before the first, or past "
+                 "its window)")
+    lines.append(f"{'total':<11}  {faults:>6}  {'':>5}  {total:>6}")
+    return "\n".join(lines)
 
 
 def _cluster_step(ck: Path, n: int) -> int:
@@ -180,6 +323,7 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
         return _args(ports, i, steps, ck, [*extra, *flags, *more])
 
     twin_script = work / "startup_twin.py"
+    schedule = work / f"{name}.faults.json"  # (rewritten after each fault: a run that dies keeps it)
     started_twins: list[NodeProc] = []
     if twins:
         twin_script.write_text(STARTUP_TWIN)
@@ -188,6 +332,14 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
         for x in current:
             x.wait_for_log("training as", 180)
         started = time.monotonic()
+        started_local = datetime.now()  # (the clock of the nodes' log lines; ``at_s`` counts from here)
+
+        def save_schedule() -> None:
+            if kinds:
+                schedule.write_text(json.dumps({
+                    "run": name, "nodes": n, "every_s": every, "seed": seed, "started": started_local.isoformat(),
+                    "addresses": [f"127.0.0.1:{port}" for port in ports], "faults": faults}, indent=1) + "\n")
+
         next_kill = spawned + mixed[0] if mixed is not None else started + every
         lives = 0
         for kind in kinds:
@@ -238,6 +390,7 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
                 a, b = windows[sum(1 for f in faults if f["kind"] == "partition")]
                 lag = started - spawned  # (the windows count from the launch, ``at_s`` from the start)
                 faults.append({"kind": kind, "at_s": at, "window_s": [round(a - lag, 2), round(b - lag, 2)]})
+            save_schedule()
             next_kill += every
         codes = []
         for x in current:
@@ -246,6 +399,13 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
             except Exception:
                 codes.append(None)
         elapsed = time.monotonic() - started
+        # the emulators cut the links at every partition planned at the launch, also those after the
+        # last fault this loop applied (it stops at 90 % of the steps): faults too, though none drew them
+        lag = started - spawned
+        for a, b in windows[sum(1 for f in faults if f["kind"] == "partition"):]:
+            if a - lag < elapsed:
+                faults.append({"kind": "partition", "at_s": round(a - lag, 2),
+                               "window_s": [round(a - lag, 2), round(b - lag, 2)], "emulator_only": True})
         twin_cpu = []
         for x in started_twins:
             x.wait(120)
@@ -260,12 +420,15 @@ def run(work: Path, name: str, n: int, steps: int, extra: list[str], *, restarts
             except AssertionError:
                 summaries.append({"node": x.addr, "steps": None, "error": x.log()[-2000:]})
         logs = {x.name: x.log() for x in c.nodes}
-        timeouts = sum(log.count("timed out waiting") for log in logs.values())
+        index = {f"127.0.0.1:{port}": i for i, port in enumerate(ports)}
+        rounds = [r for log in logs.values() for r in timed_out_rounds(log, index, started_local)]
         for f in faults:  # a long stop proven by the node's own log (its control plane saw the gap)
             if f["kind"] == "stop-long":
                 f["logged_stall"] = "this node stalled for" in logs[f["life"]]
+        save_schedule()
     return {"elapsed_s": elapsed, "exit_codes": codes, "faults": faults, "summaries": summaries,
-            "timed_out_rounds": timeouts, "twin_cpu_s": twin_cpu}
+            "timed_out_rounds": len(rounds), "timed_out_by_fault": attribute_timeouts(faults, rounds, n, every),
+            "twin_cpu_s": twin_cpu}
 
 
 def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, down: float = 2.0, seed: int = 0,
@@ -292,10 +455,7 @@ def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, do
         lead = max(every, 3.0 * startup) if mixed else 0.0
         steps = int(rate * (restarts * every + tail + lead)) // 200 * 200 + 200
     lead = lead or max(every, 20.0)
-    kinds = None
-    if mixed:
-        draw = random.Random(f"kinds|{seed}")  # each kind once in every four faults, in a drawn order
-        kinds = [kind for _ in range(0, restarts, len(KINDS)) for kind in draw.sample(KINDS, len(KINDS))][:restarts]
+    kinds = draw_kinds(restarts, seed) if mixed else None
     plan = (lead, partition_s) if mixed else None
     # how long a run may take: three times its measured length (the full --mixed form, 8
     # nodes on two cores, is longer than the 30 minutes that bound a run of given steps)
@@ -341,6 +501,7 @@ def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, do
         "rejoins": [s.get("rejoins") for s in last],
         "max_step_gap_s": max((s.get("max_step_gap_s") or 0.0) for s in last),
         "timed_out_rounds": faulty["timed_out_rounds"], "timed_out_rounds_clean": clean["timed_out_rounds"],
+        "timed_out_by_fault": faulty["timed_out_by_fault"],
         "timed_out_rounds_at_end": [s.get("timed_out_rounds") for s in last],
         "accuracy_clean": sum(acc_clean) / len(acc_clean) if None not in acc_clean else None,
         "accuracy": acc,
@@ -351,13 +512,78 @@ def churn(work: Path, *, n: int = 5, restarts: int = 40, every: float = 15.0, do
     }
 
 
+def analyse(directory: Path, schedule: Path | None = None, name: str = "churn", planned: int = 60) -> dict:
+    """Attribute the timed-out rounds of a kept run (``--keep DIR``) to its faults again,
+    from its logs, running nothing.
+
+    The schedule is ``DIR/churn.faults.json``; a directory kept before the runs wrote it
+    takes it from ``schedule``, the run's printed output (its last line, the JSON line:
+    ``faults_applied`` or ``kills``; by default ``DIR.log`` beside the directory). Such a
+    schedule lacks the local time its ``at_s`` count from: it is taken as the moment the
+    last node of the first lives logged "training as" (:func:`run` polls each node's log
+    every 0.1 s before it starts the clock). Nor does it list the partitions that the
+    emulators made after the last fault the run applied: with ``--mixed`` they are drawn
+    again from its seed and ``planned`` (the run's ``--faults``), if the draw gives the
+    kinds it recorded.
+    """
+    lives = []  # (node, life, its log)
+    for path in sorted(directory.glob(f"{name}*.err")):
+        m = re.fullmatch(rf"{re.escape(name)}(\d+)\.(\d+)\.err", path.name)
+        if m:
+            lives.append((int(m[1]), int(m[2]), path.read_text()))
+    if not lives:
+        raise ValueError(f"directory: no {name}<node>.<life>.err logs in {directory}")
+    saved = directory / f"{name}.faults.json"
+    if saved.exists():
+        plan = json.loads(saved.read_text())
+        source, n, every, faults = str(saved), plan["nodes"], plan["every_s"], plan["faults"]
+        started = datetime.fromisoformat(plan["started"])
+        index = {a: i for i, a in enumerate(plan["addresses"])}
+    else:
+        schedule = schedule or directory.with_name(directory.name + ".log")
+        if not schedule.exists():
+            raise ValueError(f"schedule: no {saved.name} in {directory} and no {schedule} (the run's output)")
+        result = json.loads([ln for ln in schedule.read_text().splitlines() if ln.startswith("{")][-1])
+        source, n, every = f"{schedule} (the run's JSON line)", result["nodes"], result["every_s"]
+        faults = list(result.get("faults_applied") or result["kills"])
+        cuts = [k for k, f in enumerate(faults) if f["kind"] == "partition"]
+        if result.get("mixed") and cuts:
+            kinds = draw_kinds(planned, result["seed"])
+            if kinds[:len(faults)] != [f["kind"] for f in faults]:
+                source += f"; seed {result['seed']} draws other kinds: the emulators' later partitions left out"
+            else:  # the windows were fixed at the launch, ``every`` apart
+                a, b = faults[cuts[-1]]["window_s"]
+                recorded = len(faults)
+                for k in range(recorded, planned):
+                    shift = (k - cuts[-1]) * every
+                    if kinds[k] == "partition" and a + shift < result["churn_s"]:
+                        faults.append({"kind": "partition", "at_s": round(a + shift, 2),
+                                       "window_s": [round(a + shift, 2), round(b + shift, 2)], "emulator_only": True})
+                added = len(faults) - recorded
+                source += f"; {added} later partitions of the emulators, drawn again (seed {result['seed']})"
+        index = {}
+        for node, _, text in lives:  # every line names its node, and a node keeps its port
+            m = re.search(r"\[([^\]]+)\]", text)
+            if m:
+                index[m[1]] = node
+        firsts = [re.search(r"^(\S+ \S+) .*training as", text, re.MULTILINE) for _, life, text in lives if life == 0]
+        if not firsts or not all(firsts):
+            raise ValueError(f"directory: a first life in {directory} never logged 'training as'")
+        started = max(datetime.strptime(m[1], LOG_TIME) for m in firsts)
+    rounds = [r for _, _, text in lives for r in timed_out_rounds(text, index, started)]
+    return {"analysed": str(directory), "schedule": source, "started": started.isoformat(), "nodes": n,
+            "faults": dict(Counter(f["kind"] for f in faults)),
+            "timed_out_rounds": len(rounds), "timed_out_by_fault": attribute_timeouts(faults, rounds, n, every),
+            "emulator_only": [f for f in faults if f.get("emulator_only")]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mixed", action="store_true",
                     help="draw each fault from kill, a long and a short SIGSTOP, and a partition (default: kills)")
     ap.add_argument("--nodes", type=int, help="nodes (default: 5; 8 with --mixed)")
     ap.add_argument("--faults", "--restarts", dest="faults", type=int,
-                    help="faults (kills) in the run (default: 40; 60 with --mixed)")
+                    help="faults (kills) in the run (default: 40; 60 with --mixed; with --analyse, the run's)")
     ap.add_argument("--every", type=float, help="seconds between two faults (default: 15; 10 with --mixed)")
     ap.add_argument("--down", type=float, default=2.0, help="seconds a killed node stays down")
     ap.add_argument("--partition-s", type=float, default=4.0, help="seconds a partition lasts (--mixed)")
@@ -368,7 +594,24 @@ def main() -> None:
     ap.add_argument("--matched", action="store_true",
                     help="a third run: the clean cluster beside a restart's start-up work at each kill's time "
                          "(goodput_matched: what the restarts cost beyond this machine's shared CPU)")
+    ap.add_argument("--analyse", metavar="DIR",
+                    help="run nothing: attribute the timed-out rounds of a run kept in DIR to its faults")
+    ap.add_argument("--schedule", metavar="FILE",
+                    help="with --analyse, for a DIR without churn.faults.json: the run's output (default: DIR.log)")
     args = ap.parse_args()
+    if args.schedule and not args.analyse:
+        ap.error("--schedule goes with --analyse")
+    if args.analyse:
+        try:
+            r = analyse(Path(args.analyse), Path(args.schedule) if args.schedule else None,
+                        planned=args.faults if args.faults is not None else 60)
+        except ValueError as e:
+            ap.error(str(e))
+        print(f"{args.analyse}: {r['timed_out_rounds']} rounds timed out; faults {r['faults']}; schedule from "
+              f"{r['schedule']}")
+        print(attribution_table(r["timed_out_by_fault"]))
+        print(json.dumps(r))
+        return
     n = args.nodes or (8 if args.mixed else 5)
     faults = args.faults if args.faults is not None else (60 if args.mixed else 40)
     every = args.every or (10.0 if args.mixed else 15.0)
@@ -392,6 +635,7 @@ def main() -> None:
           f"{r['goodput']:.3f} (clean {r['clean_s']:.1f} s, churn {r['churn_s']:.1f} s); slowest stretch between "
           f"two steps {r['max_step_gap_s']:.2f} s; steps at the end {r['steps_at_end']}; members {r['members_at_end']}"
           f"; rounds timed out {r['timed_out_rounds']}; accuracy change {r['accuracy_change_pts']} pts")
+    print(attribution_table(r["timed_out_by_fault"]))
     if r["goodput_matched"] is not None:
         print(f"matched: the clean cluster beside {r['twins']} restarts' start-up work ({r['startup_cpu_s']} CPU s) "
               f"took {r['matched_s']:.1f} s: goodput against it {r['goodput_matched']:.3f}")
