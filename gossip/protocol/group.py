@@ -453,13 +453,18 @@ class ShardFollower:
 
     def news_handovers(self, news: News) -> list[tuple[str, Message]]:
         """The mid-round hand-overs of ``news`` this rank can make: its shard of the round it
-        waits in, not mixed yet (a hand-over of another round or step is left: the joiner's
-        other ranks then miss theirs too, and its rank 0 asks again)."""
+        waits in, not mixed yet. One of a round this rank has not begun to wait in waits for
+        that wait (rank 0 may be a moment ahead: it reads the joiner's request while this rank
+        still takes the round's step or reads its decision, CI on a loaded machine); one of a
+        round or step it has passed is left: the joiner's other ranks then miss theirs too,
+        and its rank 0 asks again."""
         node = self.node
         out = []
         for number, joiner, rnd, step in news.handovers:
             if number in self.handovers_done:
                 continue
+            if node is not None and node.waiting is None and (node.round, node.step) <= (rnd, step):
+                continue  # (at a later look: each wait looks at the news)
             self.handovers_done.add(number)
             if node is not None and node.waiting is not None and node.waiting[1] == rnd and node.step == step:
                 out += self.hand_over([joiner])

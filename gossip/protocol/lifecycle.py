@@ -206,10 +206,12 @@ class Lifecycle:
                 return
             if merge:
                 ours = len(self.membership.eventual())
-                log.warning("%s: %s trains in another cluster, of %d members (this node's has %d): the halves "
-                            "of a partition that healed, or clusters started apart, met. The larger goes on "
-                            "(equal sizes: the one with the smallest id); this node joins it as a new life, "
-                            "with a member's state", self.id, by, len(cluster), ours)
+                # (``cluster``: the members of the other that this node's does not count; the
+                # other's own view may still count some of ours, so it may be the larger with fewer)
+                log.warning("%s: %s trains in another cluster, which counts %d members that this node's (of %d) "
+                            "does not: the halves of a partition that healed, or clusters started apart, met. "
+                            "The larger goes on (equal sizes: the one with the smallest id), here the other; "
+                            "this node joins it as a new life, with a member's state", self.id, by, len(cluster), ours)
             else:
                 log.warning("%s: %s announces that this node leaves at round %d: the cluster declared it dead "
                             "while it was alive (silent for more than --dead-after %g s, e.g. a paused "

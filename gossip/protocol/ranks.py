@@ -85,6 +85,7 @@ class GroupLead:
         self._known: tuple[tuple[str, int], ...] = ()
         self._mid: list[tuple[int, str, int, int]] = []  # hand-overs in the middle of a round (News)
         self._mid_number = 0
+        self._open: int | None = None  # the round of the exchange under way, until its mix
         self._first = 0  # this life's first step, and when it began training
         self._started = 0.0
 
@@ -133,17 +134,22 @@ class GroupLead:
 
     def state_request(self, joiner: str) -> None:
         """A joiner asks for the state (as the request is handled). Between rounds it waits
-        for the next decision; in the middle of a round, which may wait for this very joiner
-        (its first round), every rank hands over its shard of the round now."""
+        for the next decision; in a round (from its decision until its mix), which may wait
+        for this very joiner (its first round), every rank hands over its shard of the round
+        now. (A request read as the round's own message goes out, after its decision took
+        the hand-overs, is in the round too: queued, it waited out the round's --timeout on
+        every member, CI on a loaded machine.)"""
         life, node = self.life, self.life.node
-        if node is None or node.waiting is None:
+        in_round = node is not None and (node.waiting is not None or self._open == node.round)
+        if not in_round:
             if joiner not in life.handovers and len(life.handovers) < HANDOVERS:
                 life.handovers.append(joiner)
             return
+        rnd = node.waiting[1] if node.waiting is not None else node.round
         self.hand_over(joiner)
         with life.lock:
             self._mid_number += 1
-            self._mid = [*self._mid[-7:], (self._mid_number, joiner, node.waiting[1], node.step)]
+            self._mid = [*self._mid[-7:], (self._mid_number, joiner, rnd, node.step)]
             news = News(self._dead, tuple(self._mid), self._known)
         self.link.publish_news(news)
 
@@ -241,12 +247,16 @@ class GroupLead:
             self._first, self._started = self.node.step, (yield POLL0)
             return True
         life.apply_members()
+        self._open = node.round  # (a joiner's request from now on: see state_request)
         joiners = tuple(life.take_handovers())
         self.publish("round", round=node.round, step=step, **self.members(), handover=joiners)
         for j in joiners:  # before the round: the joiner's first round may be this one, which waits for it
             self.hand_over(j)
-        for ch in due:
-            yield from life.exchange(ch)
+        try:
+            for ch in due:
+                yield from life.exchange(ch)
+        finally:
+            self._open = None
         return True
 
     def account(self, now: float) -> None:

@@ -375,7 +375,25 @@ def test_a_hand_over_in_the_middle_of_a_round_comes_from_rank_0s_news_once() -> 
     assert fa.handovers_done == {1, 2}
     Exchange(fb, post).finish()
     ea.finish()
-    assert fa.news_handovers(News(handovers=((3, C, 0, 0),))) == []  # not waiting: nothing to hand
+    assert fa.news_handovers(News(handovers=((3, C, 0, 0),))) == []  # round 0 is mixed: nothing to hand
+    assert 3 in fa.handovers_done
+
+
+def test_a_rank_a_moment_behind_rank_0_hands_over_when_it_reaches_the_round_s_wait() -> None:
+    """Rank 0 read the joiner's request while waiting in round 0; this rank reads the news
+    before its own wait there (it still takes the round's step, or reads the decision): the
+    hand-over waits for that wait, not dropped (else the joiner's ranks miss their shards
+    and the round waits out --timeout on every member)."""
+    fa, fb, post = _pair(3.0, 2.0)
+    news = News(handovers=((1, C, 0, 0),))
+    assert fa.news_handovers(news) == [] and fa.handovers_done == set()  # not in round 0's wait yet
+    ea = Exchange(fa, post)
+    out = fa.news_handovers(news)
+    assert [dst for dst, _ in out] == ["127.0.0.1:7201"] and out[0][1].round == 0
+    assert torch.equal(decode_payload(_copy(out[0][1]), fa.shard), torch.full((N,), 3.0))
+    assert fa.news_handovers(news) == [] and fa.handovers_done == {1}
+    Exchange(fb, post).finish()
+    ea.finish()
 
 
 def test_a_wait_ends_only_when_every_awaited_neighbour_is_held_dead() -> None:
@@ -454,3 +472,72 @@ def test_rank_0_stopped_before_its_start_tells_the_other_ranks_why(error, finish
         _run(follow.start())
     assert isinstance(raised.value, ClusterFinished) == finished
     assert str(error) in str(raised.value) and follow.exited
+
+
+class _RoundLife:
+    """Rank 0's lifecycle, as far as GroupLead.after_step sees it: one channel of period 1
+    whose exchange sends the round's message, then waits, then mixes; ``sent`` holds what
+    was handed to whom (the round in which it was), ``handovers`` the requests queued."""
+
+    def __init__(self) -> None:
+        import threading
+
+        channel = type("Channel", (), {"period": 1})()
+        self.node = type("Node", (), {"round": 4, "step": 4, "waiting": None, "channels": [channel]})()
+        self.id, self.on_node, self.lock = A, None, threading.Lock()
+        self.last_step_at, self.max_step_gap, self.excluded = None, 0.0, None
+        self.stop = threading.Event()
+        self.handovers: list[str] = []
+        self.sent: list[tuple[str, int]] = []
+        self.during_send = None  # called while the round's message goes out
+
+    def apply_members(self) -> None:
+        pass
+
+    def take_handovers(self) -> list[str]:
+        out, self.handovers = self.handovers, []
+        return out
+
+    def state_reply(self, to: str):
+        return self.node.round
+
+    def send_message(self, to: str, rnd: int) -> None:
+        self.sent.append((to, rnd))
+
+    def exchange(self, ch):
+        node = self.node
+        yield Send([])
+        if self.during_send is not None:
+            self.during_send()  # (the driver handles what arrived before the send goes out)
+        node.waiting = (ch, node.round)
+        yield Wait(1.0)
+        node.waiting = None
+        node.round += 1  # the mix
+
+
+class _NewsLink(_Link):
+    def __init__(self) -> None:
+        super().__init__()
+        self.published: list[News] = []
+
+    def publish_news(self, news: News) -> None:
+        self.published.append(news)
+
+
+def test_a_request_read_while_the_round_s_message_goes_out_is_handed_over_in_that_round() -> None:
+    """Rank 0 took the queued requests at the round's decision; a request it reads after
+    that, as the round's message goes out (before its wait), belongs to the round, which
+    may wait for this joiner: every rank hands over now, as in the wait. Between rounds a
+    request waits for the next decision."""
+    life, link = _RoundLife(), _NewsLink()
+    lead = GroupLead(life, 2, link, shard=torch.zeros(N))
+    lead.members = lambda: {"members": (A, B), "dcs": ("", ""), "lives": (1, 1)}
+    lead.state_request(B)  # between rounds: queued for the next decision
+    assert life.sent == [] and life.handovers == [B]
+    life.during_send = lambda: lead.state_request(C)
+    _run(lead.after_step(4))
+    assert life.sent == [(B, 4), (C, 4)]  # b before round 4 (its decision names it), c in round 4
+    assert link.decisions[1].handover == (B,)
+    assert link.published[-1].handovers == ((1, C, 4, 4),)  # the other ranks: their shard of round 4
+    lead.state_request(A)  # round 4 is mixed: the next decision's
+    assert life.handovers == [A] and len(life.sent) == 2
