@@ -176,6 +176,10 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
     followers = [GroupFollower(cfg, r, views[r].flat, views[r].fingerprint, link.rank(r)) for r in range(1, k)]
     ranks: list[GroupLeader | GroupFollower] = [leader, *followers]
     listening = threading.Barrier(k)  # every slice listens before slice 0 says hello
+    # every slice's node is built over its slice before the first step: a node takes its slice's
+    # values when it is built and writes them back when it binds to the slice, so a step between
+    # the two was lost on that slice (CI: one step's update of slice 1, 0.003 off the reference)
+    started = threading.Barrier(k)
     step_ready = threading.Barrier(k)  # the process's step is done: every slice's exchange may run
     step_mixed = threading.Barrier(k)  # every slice mixed: the next step may run
     done = threading.Event()  # set by the main thread, between two steps, when training ends
@@ -187,6 +191,7 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
                 member.listen()
                 listening.wait()
                 member.start()
+                started.wait()
                 step = member.node.step
                 while True:
                     step_ready.wait()
@@ -202,7 +207,7 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
             pass
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
-            for barrier in (listening, step_ready, step_mixed):
+            for barrier in (listening, started, step_ready, step_mixed):
                 barrier.abort()
 
     threads = [threading.Thread(target=follow, args=(f,), name=f"slice-{f.rank}", daemon=True) for f in followers]
@@ -214,6 +219,7 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
             leader.listen()
             listening.wait()
             start = leader.start()
+            started.wait()
             streams = [task.stream(start.rank * k + r, start.world * k, cfg.split, cfg.seed, device)
                        for r in range(k)]  # this member's share of the data: K ranks' streams
             step = leader.node.step
@@ -251,7 +257,7 @@ def run_slices(cfg: PeerConfig, k: int, *, on_leader: Any = None) -> dict[str, A
     except threading.BrokenBarrierError:
         raise errors[0] if errors else RuntimeError("a slice thread stopped") from None
     except BaseException:
-        for barrier in (listening, step_ready, step_mixed):
+        for barrier in (listening, started, step_ready, step_mixed):
             barrier.abort()
         raise
     summary.update(loss=loss, intra="slices", group_size=k, rank=0, device=str(device))

@@ -154,6 +154,58 @@ def test_a_slice_whose_send_is_still_in_flight_is_never_written_by_the_model_tak
     assert torch.equal(model[1].bias.detach(), mixed[1][-3:])
 
 
+def test_a_single_process_as_a_group_steps_only_once_every_slice_s_node_is_bound() -> None:
+    """``gossip-node --as-group 2`` alone, slice 1's thread slow to start (its node bound 0.5 s
+    after it was built): a node takes its slice's values when it is built and writes them back
+    when it binds to the slice, so the process must not step in between. It once did, and
+    slice 1 lost the first step's update (CI: 0.003 off the reference, 1 run in 3). The model
+    must end exactly where plain local training on the same batches ends."""
+    code = r"""
+import sys, threading, time
+import torch
+import gossip.groups.run as run
+import gossip.protocol.group as group
+from gossip.cli import node_config_from_args
+from gossip.training.node import init_model
+from gossip.training.tasks import get_task
+
+port, steps, task_spec = int(sys.argv[1]), 6, "synthetic:hidden=15,classes=3"
+bind = group.bind_shard
+def slow_bind(node, shard, fingerprint):
+    if threading.current_thread().name.startswith("slice-"):
+        time.sleep(0.5)  # built over its slice's values, not bound yet: the process waits
+    bind(node, shard, fingerprint)
+group.bind_shard = slow_bind
+models = []
+def keep(*args, **kwargs):
+    models.append(init_model(*args, **kwargs))
+    return models[-1]
+run.init_model = keep
+cfg, _ = node_config_from_args(["--listen", f"127.0.0.1:{port}", "--task", task_spec, "--steps", str(steps),
+                                "--seed", "3", "--period", "2", "--heartbeat", "0.1", "--settle", "0.2",
+                                "--grace", "0.5"])
+summary = run.run_slices(cfg, 2)
+assert summary["steps"] == steps, summary
+task = get_task(task_spec)
+ref = init_model(task, 3, "cpu")
+opt = task.optimizer(ref.parameters())
+streams = [task.stream(r, 2, "iid", 3) for r in range(2)]  # the one member's data: both slices' shards
+for _ in range(steps):
+    opt.zero_grad(set_to_none=True)
+    task.loss(ref, tuple(torch.cat(ts) for ts in zip(*(s.next() for s in streams)))).backward()
+    opt.step()
+got = torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
+want = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+print("max_diff", float((got - want).abs().max()))
+"""
+    root = Path(__file__).resolve().parents[2]
+    port = free_ports(2, consecutive=True)[0]
+    proc = subprocess.run([sys.executable, "-c", code, str(port)], capture_output=True, text=True, timeout=120,
+                          cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.split()[-1]) == 0.0, proc.stdout
+
+
 def test_under_fsdp_the_local_shards_are_rehomed_into_one_vector_that_is_the_model() -> None:
     """FSDP in a one-rank process group (gloo, in a process of its own): the view's vector is
     what FSDP's all-gather reads, and its fingerprint names the group size."""
