@@ -129,6 +129,9 @@ def test_a_restarted_node_takes_the_newer_state_and_catches_up(tmp_path):
     assert s["joined"] and s["state_from"] is not None, s
     assert s["resumed_from"] is None  # its checkpoint (step {old}) was older than the neighbour's state
     assert old < joined <= s["steps"] and members == [4] * n, (old, joined, s["steps"], members)
+    # no round timed out: the others went on without the killed node once it was found dead,
+    # and the restart joined at a round everyone scheduled
+    assert s["timed_out_rounds"] == 0 and all(o["timed_out_rounds"] == 0 for o in others), (s, others)
     steady = max(o["neighbor_distance"] for o in others)
     assert s["neighbor_distance"] <= 2 * steady + 1e-3, (s["neighbor_distance"], steady)
 
@@ -169,8 +172,9 @@ def test_a_paused_node_declared_dead_joins_again_by_itself(tmp_path):
     assert s["rejoins"] == 1 and s["joined"] and s["state_from"] is not None, s
     assert s["steps"] >= joined + 1000, s
     assert members == [4] * n, members  # it is back in everyone's topology
-    # the rounds since it came back completed (each timed-out one waits --timeout 5 s)
-    assert s["timed_out_rounds"] <= 2 and all(o["timed_out_rounds"] <= 2 for o in others), (s, others)
+    # no round timed out, before or after it came back: its neighbours went on without it
+    # once it was found dead, and it joined at a round everyone scheduled
+    assert s["timed_out_rounds"] == 0 and all(o["timed_out_rounds"] == 0 for o in others), (s, others)
     # everyone, the node that came back included, ends close to its current neighbours
     # (the distance counts only them, not members it mixed with before the change)
     distances = [x["neighbor_distance"] for x in (s, *others)]
@@ -211,11 +215,11 @@ def test_the_halves_of_a_partition_become_one_cluster_again_when_it_heals(tmp_pa
         assert s["rejoins"] == 1 and s["joined"] and s["state_from"] is not None, s
     assert sum(s["merges"] for s in summaries[3:]) >= 1, summaries[3:]
     assert r["members_before_stop"] == [n] * n, r["members_before_stop"]
-    # they train together again: their rounds complete (a node that waits on one that
-    # does not count it times out every round: dozens in this time) and they end close
-    # to their neighbours (before the cut this ring's distances ran 0.01-0.045 in its
-    # first 300 steps; after the merge 0.002-0.025 in 5 runs)
-    assert max(r["timeouts_after_join"]) <= 5, r["timeouts_after_join"]
+    # they train together again, and no round of any node timed out, across the cut or the
+    # merge (a node that waits on one that does not count it times out every round: dozens
+    # in this time); they end close to their neighbours (before the cut this ring's
+    # distances ran 0.01-0.045 in its first 300 steps; after the merge 0.002-0.025 in 5 runs)
+    assert [s["timed_out_rounds"] for s in summaries] == [0] * n, [s["timed_out_rounds"] for s in summaries]
     distances = [s["neighbor_distance"] for s in summaries]
     assert max(distances) < 0.05, distances
 

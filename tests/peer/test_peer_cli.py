@@ -81,6 +81,8 @@ def test_late_node_joins_receives_state_and_trains(tmp_path):
     assert s["final_accuracy"] > 0.8 and s["neighbor_distance"] < 0.05, s
     assert all(o["members"] == 4 for o in others), others
     assert "joins the running cluster from round" in "".join(n.log() for n in first)
+    # the join cost nobody a round: the joiner asked for the state in time, or was answered mid-round
+    assert [x["timed_out_rounds"] for x in (s, *others)] == [0] * 4, [x["timed_out_rounds"] for x in (s, *others)]
 
 
 def test_unreachable_peer_retries_with_backoff_and_carries_on(tmp_path):
