@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.churn import TimedOutRound, analyse, attribute_timeouts, draw_kinds
+from benchmarks.churn_report import TimedOutRound, analyse, attribute_timeouts, draw_kinds
 
 N = 4  # datacenter a: nodes 0 and 1; b: nodes 2 and 3
 ADDR = [f"127.0.0.1:{20000 + i}" for i in range(N)]
